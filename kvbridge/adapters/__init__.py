@@ -1,0 +1,1 @@
+"""Everything with I/O: ZMQ, capture files and the Dynamo sinks."""

@@ -1,0 +1,381 @@
+"""A ZMQ publisher of vLLM-format KV-event frames, with vLLM's replay protocol.
+
+:class:`Publisher` behaves like the ``ZmqEventPublisher`` of a vLLM engine, so tests and
+simulators can stand in for a real engine in front of a subscriber (``kvbridge`` itself, Dynamo's
+``SelectionService``, the standalone indexer...).
+
+Live stream (PUB socket)
+    Every batch is one three-frame message ``[topic, seq8, payload]``: the UTF-8 topic, the
+    sequence number as 8 bytes unsigned big-endian, and the msgpack batch exactly as given.
+    Sequence numbers start at 0 and go up by one per batch; :meth:`Publisher.restart` sends them
+    back to 0, as an engine restart does.
+
+Bind or connect
+    Like vLLM, the PUB socket *binds* when the endpoint contains ``*`` or ``::`` or starts with
+    ``ipc://`` or ``inproc://``, and *connects* otherwise (then the subscriber must bind). The
+    ``bind`` argument overrides the rule, e.g. to bind ``tcp://127.0.0.1:0`` in tests. The replay
+    endpoint is always bound.
+
+Replay (ROUTER socket)
+    A request is ``[identity, b"", start_seq8]`` (a DEALER sends ``[b"", start_seq8]``). The answer
+    is every buffered batch whose seq is >= ``start_seq``, oldest first, followed by an end marker.
+    Batches that have left the ring buffer (``buffer_steps`` batches) are not signalled: the first
+    replayed seq is simply larger than the one requested. Frame layouts, as a DEALER sees them:
+
+    ====================  ================================  ===========================
+    layout                per batch                         end marker
+    ====================  ================================  ===========================
+    vLLM 0.26+ (default)  ``[b"", topic, seq8, payload]``   ``[b"", b"", FF*8, b""]``
+    legacy (<= 0.25)      ``[b"", seq8, payload]``          ``[b"", FF*8, b""]``
+    ====================  ================================  ===========================
+
+Threads
+    ZMQ sockets are not thread-safe. The PUB socket (and its monitor) belongs to the thread that
+    calls :meth:`Publisher.publish` and :meth:`Publisher.wait_for_subscribers` (keep that to one
+    thread). The ROUTER socket belongs to whoever
+    serves replays: the caller of :meth:`Publisher.serve_replays`, or, after
+    :meth:`Publisher.start_replay_thread`, the background thread alone (calling
+    :meth:`Publisher.serve_replays` from another thread then raises :class:`RuntimeError`). The
+    ring buffer is shared and guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from types import TracebackType
+from typing import Final, Self
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+__all__ = ["END_SEQ", "Publisher", "should_bind"]
+
+END_SEQ: Final[bytes] = b"\xff" * 8
+"""Seq frame of the replay end marker: -1 as a signed 8-byte big-endian int."""
+
+_MAX_SEQ: Final[int] = 2**64 - 2
+"""Largest publishable seq; 2**64 - 1 would be indistinguishable from :data:`END_SEQ`."""
+
+_REPLAY_POLL_MS: Final[int] = 50
+"""How long the background replay thread waits per poll, bounding how fast ``close()`` returns."""
+
+
+def should_bind(endpoint: str) -> bool:
+    """Return whether vLLM would *bind* its PUB socket to ``endpoint`` (otherwise it connects)."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+def _last_endpoint(socket: zmq.Socket[bytes]) -> str:
+    """Return the address ``socket`` last bound or connected to, with ephemeral ports resolved."""
+    value = socket.getsockopt(zmq.LAST_ENDPOINT)
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)
+
+
+class Publisher:
+    """Publishes [topic, seq8, payload] frames on a PUB socket and serves replays on a ROUTER
+    socket, the way a vLLM engine does.
+
+    Args:
+        endpoint: PUB address. Bound or connected according to vLLM's rule (:func:`should_bind`)
+            unless ``bind`` says otherwise.
+        replay_endpoint: ROUTER address, always bound. ``None`` (the default) means no replay
+            socket, as in vLLM.
+        topic: frame 0 of every live message (and of 0.26+ replay replies).
+        buffer_steps: size of the replay ring buffer, in batches.
+        replay_topic_frame: ``True`` for the vLLM 0.26+ replay layout (with the topic frame),
+            ``False`` for the legacy one.
+        context: ZMQ context to create the sockets in. If omitted the publisher creates its own
+            and terminates it on :meth:`close`.
+        bind: force the PUB socket to bind (``True``) or connect (``False``); ``None`` applies
+            vLLM's rule.
+        hwm: PUB high-water mark (vLLM's ``KVEventsConfig.hwm``); messages beyond it are dropped.
+
+    Raises:
+        ValueError: ``buffer_steps`` or ``hwm`` is negative.
+        zmq.ZMQError: a socket could not bind or connect.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        replay_topic_frame: bool = True,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind: bool | None = None,
+        hwm: int = 100_000,
+    ) -> None:
+        if buffer_steps < 0:
+            raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
+        if hwm < 0:
+            raise ValueError(f"hwm must be >= 0, got {hwm}")
+        self._topic: Final[bytes] = topic.encode()
+        self._replay_topic_frame: Final[bool] = replay_topic_frame
+        self._lock = threading.Lock()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._replay_thread: threading.Thread | None = None
+
+        self._owns_context = context is None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if context is None else context
+        self._pub: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._peers = 0
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            # Watch handshakes before any peer can arrive, for wait_for_subscribers().
+            self._monitor = self._pub.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            )
+            if should_bind(endpoint) if bind is None else bind:
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            self._endpoint: Final[str] = _last_endpoint(self._pub)
+
+            self._replay_endpoint: str | None = None
+            if replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                # vLLM 0.33: room for a full replay plus its end marker.
+                self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._router.bind(replay_endpoint)
+                self._replay_endpoint = _last_endpoint(self._router)
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB socket's actual address (ephemeral ports resolved, e.g. ``tcp://127.0.0.1:41234``)."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The ROUTER socket's actual bound address, or ``None`` without a replay socket."""
+        return self._replay_endpoint
+
+    @property
+    def topic(self) -> str:
+        """The topic sent as frame 0."""
+        return self._topic.decode()
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next :meth:`publish` without an explicit ``seq`` will use."""
+        with self._lock:
+            return self._next_seq
+
+    # ------------------------------------------------------------------ live stream
+
+    def publish(self, payload: bytes, *, seq: int | None = None, send: bool = True) -> int:
+        """Publish one batch and keep it for replay.
+
+        Args:
+            payload: the msgpack-encoded batch, sent unchanged as frame 2.
+            seq: the sequence number to use; by default the next one. The counter continues from
+                ``seq + 1`` afterwards, so an explicit seq can open (or close) a gap.
+            send: ``False`` stores the batch for replay without sending it, simulating a message
+                the subscriber never received.
+
+        Returns:
+            The seq used.
+
+        Raises:
+            ValueError: ``seq`` is outside ``[0, 2**64 - 2]``.
+            RuntimeError: the publisher is closed.
+        """
+        if seq is not None and not 0 <= seq <= _MAX_SEQ:
+            raise ValueError(f"seq must be in [0, {_MAX_SEQ}], got {seq}")
+        pub = self._pub
+        if self._closed or pub is None:
+            raise RuntimeError("publisher is closed")
+        with self._lock:
+            used = self._next_seq if seq is None else seq
+            self._next_seq = used + 1
+            self._buffer.append((used, payload))
+        if send:
+            pub.send_multipart((self._topic, used.to_bytes(8, "big"), payload))
+        return used
+
+    def wait_for_subscribers(
+        self, count: int = 1, *, timeout: float = 5.0, settle: float = 0.05
+    ) -> bool:
+        """Block until ``count`` peers are connected to the PUB socket, then ``settle`` s more.
+
+        A PUB socket silently drops what it sends before a subscriber's subscription has reached
+        it (ZMQ's "slow joiner"). This waits for the ZMTP handshake of ``count`` peers (counting
+        handshakes minus disconnects, as seen by a socket monitor set up at construction). The
+        subscription is sent right after the handshake, so it can still be in flight when the
+        handshake completes: on localhost about 1 message in 100 published at that instant was
+        lost, and none after 1 ms, hence ``settle``.
+
+        Call it from the publishing thread. Returns ``False`` on timeout.
+
+        Raises:
+            RuntimeError: the publisher is closed.
+        """
+        monitor = self._monitor
+        if self._closed or monitor is None:
+            raise RuntimeError("publisher is closed")
+        deadline = time.monotonic() + timeout
+        while self._peers < count:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not monitor.poll(remaining_ms, zmq.POLLIN):
+                return False
+            while monitor.poll(0, zmq.POLLIN):
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._peers += 1
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._peers = max(0, self._peers - 1)
+        if settle > 0:
+            time.sleep(settle)
+        return True
+
+    def restart(self) -> None:
+        """Simulate an engine restart: the next seq is 0 again and the replay buffer is emptied."""
+        with self._lock:
+            self._next_seq = 0
+            self._buffer.clear()
+
+    # ------------------------------------------------------------------ replay
+
+    def serve_replays(self, timeout_ms: int = 0) -> int:
+        """Answer the replay requests waiting on the ROUTER socket.
+
+        Waits up to ``timeout_ms`` for a first request (0: do not wait; negative: wait forever),
+        then serves it and every other request already queued. A request that is not exactly
+        ``[identity, b"", start_seq8]`` (8-byte seq) is ignored.
+
+        Returns:
+            The number of requests served (0 without a replay socket, or once closed).
+
+        Raises:
+            RuntimeError: the background replay thread is running and this is another thread.
+        """
+        router = self._router
+        if router is None:
+            return 0
+        owner = self._replay_thread
+        if owner is not None and threading.current_thread() is not owner:
+            raise RuntimeError("replays are served by the background thread")
+        if not router.poll(None if timeout_ms < 0 else timeout_ms, zmq.POLLIN):
+            return 0
+        served = 0
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return served
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                continue
+            identity, _, start = frames
+            self._answer(router, identity, int.from_bytes(start, "big"))
+            served += 1
+
+    def _answer(self, router: zmq.Socket[bytes], identity: bytes, start_seq: int) -> None:
+        """Send ``identity`` the buffered batches with seq >= ``start_seq``, then the end marker."""
+        with self._lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+        # A ROUTER never blocks on send: beyond SNDHWM (or for a vanished peer) it drops.
+        for seq, payload in batches:
+            if self._replay_topic_frame:
+                router.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            else:
+                router.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        if self._replay_topic_frame:
+            router.send_multipart((identity, b"", b"", END_SEQ, b""))
+        else:
+            router.send_multipart((identity, b"", END_SEQ, b""))
+
+    def start_replay_thread(self) -> None:
+        """Serve replays from a daemon thread until :meth:`close`.
+
+        From then on only that thread touches the ROUTER socket.
+
+        Raises:
+            RuntimeError: there is no replay socket, the thread already runs, or the publisher is
+                closed.
+        """
+        if self._router is None:
+            raise RuntimeError("no replay_endpoint was configured")
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        if self._replay_thread is not None:
+            raise RuntimeError("the replay thread is already running")
+        thread = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
+        self._replay_thread = thread
+        thread.start()
+
+    def _replay_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.serve_replays(_REPLAY_POLL_MS)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the replay thread, close both sockets (linger 0) and, if owned, the context.
+
+        Idempotent. Call it from the thread that publishes.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        thread = self._replay_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._pub is not None and self._monitor is not None:
+            self._pub.disable_monitor()
+        for sock in (self._monitor, self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = None
+        self._monitor = None
+        self._router = None
+        if self._owns_context:
+            self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Publisher(endpoint={self._endpoint!r}, replay_endpoint={self._replay_endpoint!r}, "
+            f"topic={self.topic!r}, closed={self._closed})"
+        )

@@ -1,0 +1,108 @@
+"""Hashes: vLLM's engine hashes as u64, and Dynamo's tokens_hash and rolling sequence hash.
+
+The Dynamo functions are bit for bit equal to ``dynamo.llm.compute_block_hash_for_seq`` and to
+the ``sequence_hashes`` the SelectionService reports (as unsigned values); the test suite checks
+that against the binary on random inputs.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import xxhash
+
+__all__ = [
+    "DYNAMO_SEED",
+    "block_seed",
+    "engine_hash_u64",
+    "pack_tokens",
+    "sequence_hash",
+    "sequence_hashes",
+    "tokens_hash",
+    "tokens_hashes",
+]
+
+DYNAMO_SEED: Final = 1337
+U64_MASK: Final = 0xFFFF_FFFF_FFFF_FFFF
+DYNAMO_SALT_PREFIX: Final = "dynamo-cache-salt:"
+"""The prefix ``dynamo.vllm`` puts on vLLM's cache salt; Dynamo reads only prefixed salts."""
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
+_pair = struct.Struct("<QQ").pack
+
+
+def engine_hash_u64(value: int | bytes) -> int:
+    """vLLM's block hash as u64: ints masked to 64 bits, bytes by their last 8 bytes big-endian.
+
+    This equals vLLM's own int mode for the same block (``int(digest) mod 2**64``).
+    """
+    if isinstance(value, int):
+        return value & U64_MASK
+    return int.from_bytes(value[-8:], "big")
+
+
+def block_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The XXH3 seed of Dynamo's tokens_hash: 1337, plus the LoRA name and cache salt terms."""
+    seed = DYNAMO_SEED
+    if lora_name:
+        seed += _xxh3_64(lora_name.encode(), 0)
+    if cache_salt:
+        seed += _xxh3_64(cache_salt.encode(), 1)
+    return seed & U64_MASK
+
+
+def pack_tokens(token_ids: Iterable[int]) -> bytes:
+    """Tokens as consecutive little-endian u32, the byte form Dynamo hashes."""
+    packed = array("I", token_ids)
+    if sys.byteorder == "big":  # pragma: no cover - every supported host is little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def tokens_hash(block: bytes | memoryview, seed: int, mm_hashes: Sequence[int] = ()) -> int:
+    """Dynamo's tokens_hash of one block given as packed tokens (see :func:`pack_tokens`)."""
+    if mm_hashes:
+        block = bytes(block) + b"".join(h.to_bytes(8, "little") for h in sorted(mm_hashes))
+    return _xxh3_64(block, seed)
+
+
+def tokens_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm_hashes: Sequence[Sequence[int]] = (),
+) -> list[int]:
+    """Dynamo's tokens_hash of each full block; a trailing partial block is dropped.
+
+    ``mm_hashes[i]`` lists the multimodal object hashes of block ``i``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    seed = block_seed(lora_name, cache_salt)
+    packed = memoryview(pack_tokens(token_ids))
+    width = block_size * 4
+    count = len(token_ids) // block_size
+    mm = list(mm_hashes) + [()] * (count - len(mm_hashes))
+    return [tokens_hash(packed[i * width : (i + 1) * width], seed, mm[i]) for i in range(count)]
+
+
+def sequence_hash(parent: int | None, block_tokens_hash: int) -> int:
+    """One step of Dynamo's rolling sequence hash (``public-xxh3-v1``), as u64."""
+    if parent is None:
+        return block_tokens_hash
+    return _xxh3_64(_pair(parent, block_tokens_hash), DYNAMO_SEED)
+
+
+def sequence_hashes(block_tokens_hashes: Iterable[int], parent: int | None = None) -> list[int]:
+    """The rolling sequence hash of every block, continuing from ``parent`` if given."""
+    result = []
+    for value in block_tokens_hashes:
+        parent = sequence_hash(parent, value)
+        result.append(parent)
+    return result

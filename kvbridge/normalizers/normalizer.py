@@ -1,0 +1,422 @@
+"""The stateful translation of one worker's vLLM event stream into canonical Dynamo events.
+
+Dynamo's index keeps the first writer's block hash for each node, so two engines that hash the
+same tokens differently corrupt it silently; it also forwards every store and removal without
+reference counts, and cannot place CPU placeholder events. The :class:`Normalizer` fixes all
+three at the source: every engine hash is rewritten to Dynamo's rolling sequence hash of the
+block's content, residency is reference-counted per (dp_rank, tier, block), and placeholders
+are resolved through a per-rank map from engine hash to canonical block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from typing import Any, Final
+
+import structlog
+
+from kvbridge.normalizers.hashing import (
+    DYNAMO_SALT_PREFIX,
+    block_seed,
+    engine_hash_u64,
+    pack_tokens,
+    sequence_hash,
+    tokens_hash,
+)
+from kvbridge.normalizers.media import tier_for_medium
+from kvbridge.schemas.dynamo import (
+    EventData,
+    KvCacheEvent,
+    RemovedData,
+    StoredBlock,
+    StoredData,
+)
+from kvbridge.schemas.tiers import Tier, TieredEvent
+from kvbridge.schemas.vllm import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
+
+__all__ = ["MAIN_ATTENTION_KINDS", "DropReason", "Normalizer"]
+
+MAIN_ATTENTION_KINDS: Final = frozenset(("full_attention", "mla_attention", "sink_full_attention"))
+"""The KV-cache group kinds a prefix index can use; Dynamo indexes exactly these."""
+
+_TIERS: Final = tuple(Tier)
+
+
+class DropReason:
+    """Why a block (or a clear) was not forwarded. Counted in :attr:`Normalizer.stats`."""
+
+    UNKNOWN_MEDIUM: Final = "unknown_medium"
+    REMOTE_LOCALITY: Final = "remote_locality"
+    UNKNOWN_LOCALITY: Final = "unknown_locality"
+    NON_MAIN_GROUP: Final = "non_main_group"
+    BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
+    ORPHAN_PARENT: Final = "orphan_parent"
+    UNRESOLVED_PLACEHOLDER: Final = "unresolved_placeholder"
+    DUPLICATE_STORE: Final = "duplicate_store"
+    STILL_REFERENCED: Final = "still_referenced"
+    UNKNOWN_BLOCK: Final = "unknown_block"
+    UNKNOWN_FIELD: Final = "unknown_field"
+    """Not a drop: unknown trailing positions or map keys the decoder ignored."""
+
+
+class _Block:
+    """What one engine hash stands for: a canonical block and the inputs of its hashes."""
+
+    __slots__ = ("cache_salt", "canonical", "lora_name", "parent", "tokens", "tokens_hash")
+
+    def __init__(
+        self,
+        canonical: int,
+        tokens_hash: int,
+        parent: int | None,
+        tokens: bytes,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> None:
+        self.canonical = canonical
+        self.tokens_hash = tokens_hash
+        self.parent = parent
+        self.tokens = tokens
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+
+
+class _Rank:
+    """The state of one dp_rank's stream."""
+
+    __slots__ = ("blocks", "group_kinds", "refs", "retired")
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, _Block] = {}
+        self.retired: OrderedDict[int, _Block] = OrderedDict()
+        self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
+        self.group_kinds: dict[int, str] = {}
+
+    def lookup(self, engine_hash: int) -> _Block | None:
+        block = self.blocks.get(engine_hash)
+        return block if block is not None else self.retired.get(engine_hash)
+
+    def resident(self, canonical: int) -> bool:
+        return any(canonical in refs for refs in self.refs)
+
+
+class Normalizer:
+    """Translates one worker's vLLM batches into canonical, tiered Dynamo events.
+
+    ``block_size`` is the block size the worker is registered with in Dynamo; stores of any
+    other size are dropped. ``retain_evicted`` bounds how many blocks that left every tier are
+    remembered, so that a CPU placeholder or a child published after its GPU block was evicted
+    can still be resolved.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        block_size: int,
+        *,
+        retain_evicted: int = 100_000,
+        main_kinds: Iterable[str] = MAIN_ATTENTION_KINDS,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if worker_id < 0:
+            raise ValueError(f"worker_id must be a u64, got {worker_id}")
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.retain_evicted = retain_evicted
+        self.main_kinds = frozenset(main_kinds)
+        self.stats: Counter[str] = Counter()
+        """Blocks not forwarded, by :class:`DropReason` (clears count once)."""
+        self.forwarded: Counter[tuple[str, Tier]] = Counter()
+        """Blocks forwarded, by (``"stored"`` | ``"removed"`` | ``"cleared"``, tier)."""
+        self._ranks: dict[int, _Rank] = {}
+        self._event_ids = itertools.count()
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
+        self._logged: set[str] = set()
+        self._log = structlog.get_logger("kvbridge.normalizer").bind(worker_id=worker_id)
+
+    # -- public API -----------------------------------------------------------------------
+
+    def normalize(self, batch: VllmBatch, seq: int | None = None) -> list[TieredEvent]:
+        """The canonical events of one batch. ``seq`` (the ZMQ sequence number) becomes the
+        Dynamo ``event_id``; without it an internal counter is used."""
+        event_id = next(self._event_ids) if seq is None else seq
+        dp_rank = batch.data_parallel_rank or 0
+        rank = self._ranks.get(dp_rank)
+        if rank is None:
+            rank = self._ranks[dp_rank] = _Rank()
+        if batch.unknown_fields:
+            self.stats[DropReason.UNKNOWN_FIELD] += batch.unknown_fields
+        out: list[TieredEvent] = []
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(rank, dp_rank, event_id, event, out)
+            elif isinstance(event, BlockRemoved):
+                self._removed(rank, dp_rank, event_id, event, out)
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                out.extend(self._clear(rank, dp_rank, event_id))
+        return out
+
+    def reset(self, dp_rank: int | None = None) -> list[TieredEvent]:
+        """Forget a rank's state (or every rank's) and return the clears that undo it downstream.
+
+        Used when the stream restarted or batches were lost for good: consistency comes before
+        stale hits.
+        """
+        ranks = list(self._ranks) if dp_rank is None else [dp_rank]
+        event_id = next(self._event_ids)
+        out: list[TieredEvent] = []
+        for rank_id in ranks:
+            rank = self._ranks.pop(rank_id, None)
+            if rank is not None:
+                out.extend(self._clear(rank, rank_id, event_id))
+        return out
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        return sorted(self._ranks)
+
+    def resident_blocks(self, dp_rank: int, tier: Tier) -> int:
+        """How many distinct blocks are resident on one tier of one rank."""
+        rank = self._ranks.get(dp_rank)
+        return 0 if rank is None else len(rank.refs[_TIERS.index(tier)])
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _drop(self, reason: str, count: int, **context: Any) -> None:
+        self.stats[reason] += count
+        if reason not in self._logged:
+            self._logged.add(reason)
+            self._log.warning("event dropped", reason=reason, **context)
+
+    def _admit(self, rank: _Rank, event: BlockStored | BlockRemoved, count: int) -> Tier | None:
+        """The event's tier, or ``None`` after counting why the event is not indexed."""
+        tier = tier_for_medium(event.medium)
+        if tier is None:
+            self._drop(DropReason.UNKNOWN_MEDIUM, count, medium=event.medium)
+            return None
+        if event.locality is not None and event.locality.upper() != "LOCAL":
+            remote = event.locality.upper() == "REMOTE"
+            reason = DropReason.REMOTE_LOCALITY if remote else DropReason.UNKNOWN_LOCALITY
+            self._drop(reason, count, locality=event.locality)
+            return None
+        group = event.group_idx
+        kind = getattr(event, "kv_cache_spec_kind", None)
+        if kind is not None and group is not None:
+            rank.group_kinds[group] = kind
+        if kind is None and group is not None:
+            kind = rank.group_kinds.get(group)
+        main = kind in self.main_kinds if kind is not None else group in (None, 0)
+        if not main:
+            self._drop(DropReason.NON_MAIN_GROUP, count, group_idx=group, kind=kind)
+            return None
+        return tier
+
+    def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        key = (lora_name, cache_salt)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = block_seed(lora_name, cache_salt)
+        return seed
+
+    def _stored(
+        self, rank: _Rank, dp_rank: int, event_id: int, event: BlockStored, out: list[TieredEvent]
+    ) -> None:
+        count = len(event.block_hashes)
+        tier = self._admit(rank, event, count)
+        if tier is None:
+            return
+        blocks: list[_Block] | None
+        if event.is_placeholder:
+            blocks = []
+            for engine_hash in event.block_hashes:
+                block = rank.lookup(engine_hash_u64(engine_hash))
+                if block is None:
+                    self._drop(DropReason.UNRESOLVED_PLACEHOLDER, 1, medium=event.medium)
+                else:
+                    blocks.append(block)
+        else:
+            if event.block_size != self.block_size:
+                self._drop(
+                    DropReason.BLOCK_SIZE_MISMATCH,
+                    count,
+                    expected=self.block_size,
+                    block_size=event.block_size,
+                )
+                return
+            blocks = self._canonical_blocks(rank, event)
+            if blocks is None:
+                self._drop(DropReason.ORPHAN_PARENT, count)
+                return
+        self._make_resident(rank, dp_rank, event_id, tier, blocks, out)
+
+    def _canonical_blocks(self, rank: _Rank, event: BlockStored) -> list[_Block] | None:
+        """Hash the event's blocks canonically and remember them by engine hash."""
+        if event.parent_block_hash is None:
+            parent = None
+            salt = _cache_salt(event)
+        else:
+            parent_block = rank.lookup(engine_hash_u64(event.parent_block_hash))
+            if parent_block is None:
+                return None
+            parent = parent_block.canonical
+            salt = parent_block.cache_salt
+        lora_name = event.lora_name or None
+        seed = self._seed(lora_name, salt)
+        size = self.block_size
+        width = size * 4
+        packed = pack_tokens(event.token_ids[: len(event.block_hashes) * size])
+        extra_keys = event.extra_keys
+        blocks = []
+        for index, engine_hash in enumerate(event.block_hashes):
+            tokens = packed[index * width : (index + 1) * width]
+            mm = _mm_hashes(extra_keys[index]) if extra_keys and index < len(extra_keys) else ()
+            content = tokens_hash(tokens, seed, mm)
+            canonical = sequence_hash(parent, content)
+            block = _Block(canonical, content, parent, tokens, lora_name, salt)
+            key = engine_hash_u64(engine_hash)
+            rank.blocks[key] = block
+            rank.retired.pop(key, None)
+            blocks.append(block)
+            parent = canonical
+        return blocks
+
+    def _make_resident(
+        self,
+        rank: _Rank,
+        dp_rank: int,
+        event_id: int,
+        tier: Tier,
+        blocks: list[_Block],
+        out: list[TieredEvent],
+    ) -> None:
+        refs = rank.refs[_TIERS.index(tier)]
+        run: list[_Block] = []
+        duplicates = 0
+        for block in blocks:
+            count = refs.get(block.canonical, 0)
+            refs[block.canonical] = count + 1
+            if count:
+                duplicates += 1
+                continue
+            if run and run[-1].canonical != block.parent:
+                out.append(self._store_event(dp_rank, event_id, tier, run))
+                run = []
+            run.append(block)
+        if run:
+            out.append(self._store_event(dp_rank, event_id, tier, run))
+        if duplicates:
+            self.stats[DropReason.DUPLICATE_STORE] += duplicates
+
+    def _store_event(
+        self, dp_rank: int, event_id: int, tier: Tier, run: list[_Block]
+    ) -> TieredEvent:
+        self.forwarded["stored", tier] += len(run)
+        data = StoredData(
+            parent_hash=run[0].parent,
+            blocks=[StoredBlock(block.canonical, block.tokens_hash) for block in run],
+        )
+        tokens = array("I")
+        for block in run:
+            tokens.frombytes(block.tokens)
+        return TieredEvent(
+            self.worker_id,
+            dp_rank,
+            tier,
+            KvCacheEvent(event_id, EventData(stored=data), dp_rank),
+            tokens.tolist(),
+            run[0].lora_name,
+            run[0].cache_salt,
+        )
+
+    def _removed(
+        self,
+        rank: _Rank,
+        dp_rank: int,
+        event_id: int,
+        event: BlockRemoved,
+        out: list[TieredEvent],
+    ) -> None:
+        tier = self._admit(rank, event, len(event.block_hashes))
+        if tier is None:
+            return
+        refs = rank.refs[_TIERS.index(tier)]
+        gone: list[int] = []
+        for engine_hash in event.block_hashes:
+            key = engine_hash_u64(engine_hash)
+            block = rank.blocks.get(key)
+            count = 0 if block is None else refs.get(block.canonical, 0)
+            if block is None or count == 0:
+                self._drop(DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
+            elif count > 1:
+                refs[block.canonical] = count - 1
+                self.stats[DropReason.STILL_REFERENCED] += 1
+            else:
+                del refs[block.canonical]
+                gone.append(block.canonical)
+                if not rank.resident(block.canonical):
+                    self._retire(rank, key)
+        if gone:
+            self.forwarded["removed", tier] += len(gone)
+            data = EventData(removed=RemovedData(gone))
+            out.append(
+                TieredEvent(self.worker_id, dp_rank, tier, KvCacheEvent(event_id, data, dp_rank))
+            )
+
+    def _retire(self, rank: _Rank, key: int) -> None:
+        rank.retired[key] = rank.blocks.pop(key)
+        while len(rank.retired) > self.retain_evicted:
+            rank.retired.popitem(last=False)
+
+    def _clear(self, rank: _Rank, dp_rank: int, event_id: int) -> list[TieredEvent]:
+        for key in list(rank.blocks):
+            self._retire(rank, key)
+        for refs in rank.refs:
+            refs.clear()
+        out = []
+        for tier in _TIERS:
+            self.forwarded["cleared", tier] += 1
+            cleared = KvCacheEvent(event_id, "cleared", dp_rank)
+            out.append(TieredEvent(self.worker_id, dp_rank, tier, cleared))
+        return out
+
+
+def _cache_salt(event: BlockStored) -> str | None:
+    """The cache salt in the first block's extra keys: the first string that is not the LoRA
+    name. Dynamo's own ``dynamo-cache-salt:`` prefix is removed."""
+    if not event.extra_keys or not event.extra_keys[0]:
+        return None
+    lora_seen = event.lora_name is None
+    for key in event.extra_keys[0]:
+        if not isinstance(key, str):
+            continue
+        if not lora_seen and key == event.lora_name:
+            lora_seen = True
+            continue
+        return key.removeprefix(DYNAMO_SALT_PREFIX) or None
+    return None
+
+
+def _mm_hashes(keys: list[Any] | None) -> list[int]:
+    """The multimodal object hashes among one block's extra keys, as Dynamo derives them: a
+    hex digest by its first 16 hex digits, any other identifier by its XXH3-64."""
+    if not keys:
+        return []
+    hashes = []
+    for key in keys:
+        if isinstance(key, list | tuple) and key and isinstance(key[0], str):
+            identifier = key[0]
+            try:
+                digest = int(identifier[:16], 16) if len(identifier) == 64 else None
+            except ValueError:
+                digest = None
+            hashes.append(_xxh(identifier) if digest is None else digest)
+    return hashes
+
+
+def _xxh(identifier: str) -> int:
+    return tokens_hash(identifier.encode(), 0)

@@ -1,0 +1,38 @@
+"""The canonical, tier-annotated event that every kvbridge sink consumes."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kvbridge.schemas.dynamo import KvCacheEvent
+
+__all__ = ["Tier", "TieredEvent"]
+
+
+class Tier(enum.Enum):
+    """Where a block is resident, in Dynamo's storage-tier vocabulary, fastest first."""
+
+    DEVICE = "device"
+    HOST_PINNED = "host_pinned"
+    DISK = "disk"
+    EXTERNAL = "external"
+
+
+class TieredEvent(msgspec.Struct, frozen=True):
+    """One Dynamo event for one (worker, dp_rank, tier).
+
+    ``event`` carries canonical hashes only. For stores, ``token_ids`` holds the tokens of the
+    stored blocks and ``lora_name`` / ``cache_salt`` the hash inputs, so that a consumer that
+    hashes for itself (Dynamo's ZMQ decoder, behind the relay) derives the same ``tokens_hash``.
+    A clear is emitted once per tier.
+    """
+
+    worker_id: int
+    dp_rank: int
+    tier: Tier
+    event: KvCacheEvent
+    token_ids: list[int] = []
+    lora_name: str | None = None
+    cache_salt: str | None = None

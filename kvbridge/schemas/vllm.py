@@ -1,0 +1,358 @@
+"""vLLM's KV-cache event wire format, for every release that publishes it (0.9.0 through 0.33.0).
+
+vLLM has shipped twelve distinct layouts: positional arrays up to 0.23 (a field appended every
+few releases) and tagged maps from 0.24 (defaulted fields left out). Rather than one decoder per
+release, the events are typed once with every field ever shipped, and the per-release
+differences live in one table, :data:`LAYOUTS`, which the decoder, the encoder, the fixtures and
+the JSON Schema export all read.
+
+Decoding is tolerant but never guesses: unknown trailing positions and unknown map keys are
+ignored and counted, while an unknown event tag, a wrong type or a ``BlockStored`` whose tokens
+cannot cover its hashes raise :class:`SchemaError` naming the event index and the field.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any, Final, Literal, TypeAlias
+
+import msgspec
+
+from kvbridge.schemas.errors import SchemaError
+
+__all__ = [
+    "LAYOUTS",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "Layout",
+    "VllmBatch",
+    "decode_batch",
+    "encode_batch",
+    "layout_for",
+]
+
+BlockHash: TypeAlias = int | bytes
+"""A block hash as vLLM sends it: an int (signed before 0.10.2) or the raw digest bytes."""
+
+TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+NonNegative: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _WireEvent(msgspec.Struct, tag_field="type"):
+    """Base of the event types.
+
+    Decoded events are instances of private wire variants (array or map, strict or tolerant) of
+    the public types, so equality compares tag and fields rather than the exact class.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _WireEvent):
+            return NotImplemented
+        return type(self).__struct_config__.tag == type(other).__struct_config__.tag and (
+            msgspec.structs.astuple(self) == msgspec.structs.astuple(other)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class BlockStored(_WireEvent, tag="BlockStored"):
+    """Full blocks newly cached by the engine or one of its offload tiers."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[TokenId]
+    block_size: NonNegative
+    lora_id: int | None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: NonNegative | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[TokenId]] | None = None
+
+    @property
+    def is_placeholder(self) -> bool:
+        """An offload-tier store that names a chunk by hash only, without tokens or parent."""
+        return not self.token_ids
+
+
+class BlockRemoved(_WireEvent, tag="BlockRemoved"):
+    """Blocks that left one medium."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: NonNegative | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(_WireEvent, tag="AllBlocksCleared"):
+    """The engine's prefix cache was reset. It carries no medium."""
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class VllmBatch(msgspec.Struct):
+    """One decoded ZMQ payload: the events of one engine step."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+    unknown_fields: int = 0
+    """Unknown trailing array positions plus unknown map keys that were ignored."""
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """The wire layout shared by a range of vLLM releases."""
+
+    first: str
+    last: str
+    encoding: Literal["array", "map"]
+    batch_fields: int
+    stored_fields: int
+    removed_fields: int
+
+    @property
+    def releases(self) -> str:
+        return self.first if self.first == self.last else f"{self.first}-{self.last}"
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return STORED_FIELDS[: self.stored_fields]
+
+    @property
+    def removed(self) -> tuple[str, ...]:
+        return REMOVED_FIELDS[: self.removed_fields]
+
+
+STORED_FIELDS: Final = tuple(BlockStored.__struct_fields__)
+REMOVED_FIELDS: Final = tuple(BlockRemoved.__struct_fields__)
+_STORED_ALWAYS_SENT: Final = 7
+"""In the map era the fields without a default (up to ``lora_name``) are sent even when nil."""
+_REMOVED_ALWAYS_SENT: Final = 2
+
+LAYOUTS: Final[tuple[Layout, ...]] = (
+    Layout("0.9.0", "0.9.0.1", "array", 2, 5, 1),
+    Layout("0.9.1", "0.10.1.1", "array", 3, 5, 1),
+    Layout("0.10.2", "0.13.0", "array", 3, 6, 2),  # + medium
+    Layout("0.14.0", "0.16.0", "array", 3, 7, 2),  # + lora_name
+    Layout("0.17.0", "0.19.1", "array", 3, 8, 2),  # + extra_keys
+    Layout("0.20.0", "0.21.0", "array", 3, 9, 3),  # + group_idx
+    Layout("0.22.0", "0.23.x", "array", 3, 11, 3),  # + kv_cache_spec_kind, _sliding_window
+    Layout("0.24.0", "0.25.1", "map", 3, 11, 3),  # events become tagged maps
+    Layout("0.26.0", "0.28.x", "map", 3, 12, 4),  # + locality
+    Layout("0.29.0", "0.29.0", "map", 3, 13, 5),  # + ownership
+    Layout("0.30.0", "0.32.0", "map", 3, 14, 5),  # + session_id
+    Layout("0.33.0", "0.33.0", "map", 3, 15, 5),  # + lookahead_token_ids
+)
+"""Every distinct layout, oldest first. Each adds fields at the end of the previous one."""
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) if part.isdigit() else 10**6 for part in version.split("."))
+
+
+def layout_for(release: str) -> Layout:
+    """The layout a given vLLM release publishes, e.g. ``layout_for("0.21.0")``."""
+    key = _version_key(release)
+    for layout in reversed(LAYOUTS):
+        if key >= _version_key(layout.first):
+            if key > _version_key(layout.last) and layout is not LAYOUTS[-1]:
+                break
+            return layout
+    raise ValueError(f"vLLM {release} publishes no KV events (they start at 0.9.0)")
+
+
+# Wire variants of the public event types: strict ones for the fast path, tolerant ones (unknown
+# fields ignored) for payloads from releases newer than this table.
+def _variants(*, array_like: bool, strict: bool) -> tuple[type[Any], ...]:
+    return tuple(
+        msgspec.defstruct(
+            base.__name__,
+            [],
+            bases=(base,),
+            tag=base.__name__,
+            array_like=array_like,
+            forbid_unknown_fields=strict,
+        )
+        for base in (BlockStored, BlockRemoved, AllBlocksCleared)
+    )
+
+
+def _event_decoder(*, array_like: bool, strict: bool) -> msgspec.msgpack.Decoder[Any]:
+    stored, removed, cleared = _variants(array_like=array_like, strict=strict)
+    return msgspec.msgpack.Decoder(stored | removed | cleared)
+
+
+class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _TolerantWireBatch(_WireBatch, array_like=True):
+    pass
+
+
+_BATCH = msgspec.msgpack.Decoder(_WireBatch)
+_TOLERANT_BATCH = msgspec.msgpack.Decoder(_TolerantWireBatch)
+_STRICT = {era: _event_decoder(array_like=era, strict=True) for era in (True, False)}
+_TOLERANT = {era: _event_decoder(array_like=era, strict=False) for era in (True, False)}
+_GENERIC = msgspec.msgpack.Decoder()
+_FIELDS_BY_TAG: Final[dict[str, tuple[str, ...]]] = {
+    "BlockStored": STORED_FIELDS,
+    "BlockRemoved": REMOVED_FIELDS,
+    "AllBlocksCleared": (),
+}
+_ARRAY_PATH = re.compile(r"^\$\[(\d+)\](.*)$")
+_MAP_PATH = re.compile(r"^\$\.(\w+)(.*)$")
+
+
+def _is_array(raw: msgspec.Raw) -> bool:
+    first = memoryview(raw)[0]
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+def _count_unknown(raw: msgspec.Raw, tag: str) -> int:
+    """Slow path only: how many positions or keys of one event this table does not know."""
+    generic = _GENERIC.decode(raw)
+    known = _FIELDS_BY_TAG[tag]
+    if isinstance(generic, list):
+        return max(0, len(generic) - 1 - len(known))
+    return len(generic.keys() - {"type", *known})
+
+
+def _field_error(index: int, raw: msgspec.Raw, error: Exception) -> SchemaError:
+    """Rewrite msgspec's error so that it names the event index and the field."""
+    message = str(error)
+    text, _, path = message.partition(" - at `")
+    path = path.rstrip("`")
+    field = "event"
+    if match := _ARRAY_PATH.match(path):
+        position, rest = int(match[1]), match[2]
+        try:
+            tag = _GENERIC.decode(raw)[0]
+        except Exception:  # the tag itself is unreadable: report the position
+            tag = None
+        names = _FIELDS_BY_TAG.get(str(tag))
+        if position == 0:
+            field = "type"
+        elif names and position <= len(names):
+            field = names[position - 1] + rest
+        else:
+            field = f"[{position}]{rest}"
+    elif match := _MAP_PATH.match(path):
+        field = match[1] + match[2]
+    elif "tag" in text.lower() or "Invalid value" in text:
+        field = "type"
+    return SchemaError(f"event {index}: field {field!r}: {text}", event_index=index, field=field)
+
+
+def _decode_event(index: int, raw: msgspec.Raw) -> tuple[Event, int]:
+    array = _is_array(raw)
+    try:
+        return _STRICT[array].decode(raw), 0
+    except msgspec.ValidationError as strict_error:
+        try:
+            event = _TOLERANT[array].decode(raw)
+        except msgspec.ValidationError as error:
+            raise _field_error(index, raw, error) from error
+        unknown = _count_unknown(raw, type(event).__name__)
+        if not unknown:  # the strict decoder failed for another reason than extra fields
+            raise _field_error(index, raw, strict_error) from strict_error
+        return event, unknown
+    except msgspec.DecodeError as error:
+        raise SchemaError(f"event {index}: {error}", event_index=index) from error
+
+
+def _check(index: int, event: Event) -> None:
+    if isinstance(event, BlockStored) and event.token_ids:
+        needed = len(event.block_hashes) * event.block_size
+        if event.block_size == 0 or len(event.token_ids) < needed:
+            raise SchemaError(
+                f"event {index}: field 'token_ids': {len(event.token_ids)} tokens cannot fill "
+                f"{len(event.block_hashes)} blocks of {event.block_size}",
+                event_index=index,
+                field="token_ids",
+            )
+
+
+def decode_batch(payload: bytes | memoryview) -> VllmBatch:
+    """Decode the msgpack payload (frame 2) of any vLLM release that publishes KV events."""
+    if not payload:
+        raise SchemaError("batch: empty payload")
+    try:
+        try:
+            wire: _WireBatch = _BATCH.decode(payload)
+            unknown = 0
+        except msgspec.ValidationError as strict_error:
+            wire = _TOLERANT_BATCH.decode(payload)
+            generic = _GENERIC.decode(payload)
+            unknown = len(generic) - 3
+            if unknown <= 0:
+                raise strict_error from None
+    except msgspec.ValidationError as error:
+        raise SchemaError(f"batch: {error}") from error
+    except msgspec.DecodeError as error:
+        raise SchemaError(f"batch: malformed msgpack: {error}") from error
+    events: list[Event] = []
+    for index, raw in enumerate(wire.events):
+        event, extra = _decode_event(index, raw)
+        _check(index, event)
+        events.append(event)
+        unknown += extra
+    return VllmBatch(wire.ts, events, wire.data_parallel_rank, unknown)
+
+
+@functools.cache
+def _wire_types(layout: Layout) -> dict[str, type[msgspec.Struct]]:
+    """The event structs of one layout, declared as that release declares them, so that msgspec
+    writes the same bytes (map headers and omitted defaults included)."""
+    types: dict[str, type[msgspec.Struct]] = {}
+    for tag, names, required in (
+        ("BlockStored", layout.stored, _STORED_ALWAYS_SENT),
+        ("BlockRemoved", layout.removed, _REMOVED_ALWAYS_SENT),
+        ("AllBlocksCleared", (), 0),
+    ):
+        fields = [
+            (name, Any) if position < required else (name, Any, None)
+            for position, name in enumerate(names)
+        ]
+        types[tag] = msgspec.defstruct(
+            tag,
+            fields,
+            tag=tag,
+            tag_field="type",
+            array_like=layout.encoding == "array",
+            omit_defaults=True,
+        )
+    return types
+
+
+def encode_batch(batch: VllmBatch | Sequence[Event], layout: Layout, *, ts: float = 0.0) -> bytes:
+    """Encode events exactly as the releases of ``layout`` put them on the wire.
+
+    Fields the layout does not have are left out, as that release would.
+    """
+    if isinstance(batch, VllmBatch):
+        ts, events, rank = batch.ts, batch.events, batch.data_parallel_rank
+    else:
+        events, rank = list(batch), None
+    types = _wire_types(layout)
+    wire_events = []
+    for event in events:
+        wire_type = types[type(event).__struct_config__.tag]  # type: ignore[index]
+        wire_events.append(
+            wire_type(*(getattr(event, name) for name in wire_type.__struct_fields__))
+        )
+    wire: list[Any] = [ts, wire_events, rank]
+    return msgspec.msgpack.encode(wire[: layout.batch_fields])

@@ -1,0 +1,193 @@
+"""Run a real, in-process ``dynamo.llm.SelectionService`` for tests and read its overlap scores.
+
+``SelectionService`` methods return pyo3 futures bound to the running asyncio loop of the thread
+that calls them, so :class:`SelectionHarness` owns an event loop in a background thread and runs
+every call there (wrapped in an ``async def``), exposing a blocking API to the test.
+
+Slow joiners. ``upsert_worker`` returns *before* the service's ZMQ SUB is connected: the listener
+logs "ZMQ listener starting" / "ZMQ listener ready" about 3-5 ms later and the PUB sees the
+handshake about 5 ms after ``upsert_worker`` returned (localhost, idle machine). A batch published
+right after :meth:`SelectionHarness.add_worker` is silently dropped by the PUB. Two reliable ways
+out, both used by ``tests/test_publisher.py``:
+
+* :func:`wait_connected` (``Publisher.wait_for_subscribers`` + a short settle) before publishing;
+* give the worker the Publisher's replay endpoint and serve replays: when the first batch the
+  service receives has seq > 0 it logs "Gap detected: expected seq 0, got N" and replays from
+  seq 0. This only helps once *some* batch gets through, so still wait before the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from dynamo.llm import SelectionService
+
+from kvbridge.adapters.publisher import Publisher
+
+__all__ = ["SelectionHarness", "wait_connected"]
+
+_T = TypeVar("_T")
+
+_CALL_TIMEOUT_S = 10.0
+
+
+def wait_connected(publisher: Publisher, count: int = 1, timeout: float = 5.0) -> None:
+    """Block until ``count`` subscribers (e.g. one SelectionService worker rank) are connected.
+
+    Waits for the ZMTP handshake on the publisher's PUB socket plus a 50 ms settle for the
+    subscription that follows it. Call from the thread that publishes.
+
+    Raises:
+        TimeoutError: no subscriber within ``timeout`` seconds.
+    """
+    if not publisher.wait_for_subscribers(count, timeout=timeout):
+        raise TimeoutError(f"no subscriber connected to {publisher.endpoint} within {timeout}s")
+
+
+class SelectionHarness:
+    """A real ``SelectionService`` driven from synchronous test code.
+
+    Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="selection-harness", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+        self.service: Any = self._run(self._create())
+
+    async def _create(self) -> Any:
+        return SelectionService()
+
+    def _run(self, coro: Coroutine[Any, Any, _T], timeout: float = _CALL_TIMEOUT_S) -> _T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("harness is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def add_worker(
+        self,
+        worker_id: int,
+        *,
+        block_size: int,
+        endpoints: dict[int, str],
+        replay_endpoint: str | None = None,
+        model_name: str = "m",
+    ) -> dict[str, Any]:
+        """Register (upsert) a worker whose ranks publish on ``endpoints`` ({dp_rank: address}).
+
+        One rank 0 is registered with ``kv_events_endpoint``; otherwise ``kv_events_endpoints``
+        (int keys) with ``data_parallel_start_rank`` = the lowest rank. Returns the catalog record.
+        Remember the slow joiner: see the module docstring and :func:`wait_connected`.
+        """
+        if not endpoints:
+            raise ValueError("endpoints must name at least one dp rank")
+        worker: dict[str, Any] = {
+            "worker_id": worker_id,
+            "model_name": model_name,
+            "endpoint": f"http://w{worker_id}",
+            "block_size": block_size,
+            "data_parallel_start_rank": min(endpoints),
+            "data_parallel_size": len(endpoints),
+        }
+        if list(endpoints) == [0]:
+            worker["kv_events_endpoint"] = endpoints[0]
+        else:
+            worker["kv_events_endpoints"] = {int(rank): addr for rank, addr in endpoints.items()}
+        if replay_endpoint is not None:
+            worker["replay_endpoint"] = replay_endpoint
+
+        async def upsert() -> dict[str, Any]:
+            record: dict[str, Any] = await self.service.upsert_worker(worker)
+            return record
+
+        return self._run(upsert())
+
+    def overlap_raw(
+        self,
+        token_ids: list[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        model_name: str = "m",
+    ) -> dict[str, Any]:
+        """Return the service's ``overlap_scores`` answer unchanged."""
+        request: dict[str, Any] = {"token_ids": token_ids, "model_name": model_name}
+        if lora_name is not None:
+            request["lora_name"] = lora_name
+        if cache_salt is not None:
+            request["cache_salt"] = cache_salt
+
+        async def scores() -> dict[str, Any]:
+            result: dict[str, Any] = await self.service.overlap_scores(request)
+            return result
+
+        return self._run(scores())
+
+    def overlap(
+        self,
+        token_ids: list[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        model_name: str = "m",
+    ) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """Return ``{(worker_id, dp_rank): (device, host_pinned, disk)}`` overlap, in blocks.
+
+        The counts are cumulative as Dynamo reports them (host includes device, disk includes
+        host). Workers whose three counts are all 0 are left out (the service lists them).
+        """
+        raw = self.overlap_raw(
+            token_ids, lora_name=lora_name, cache_salt=cache_salt, model_name=model_name
+        )
+        out: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for w in raw["workers"]:
+            counts = (int(w["device_blocks"]), int(w["host_pinned_blocks"]), int(w["disk_blocks"]))
+            if any(counts):
+                out[(int(w["worker_id"]), int(w["dp_rank"]))] = counts
+        return out
+
+    @staticmethod
+    def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+        """Poll ``predicate`` every 10 ms until it is true (``True``) or ``timeout`` (``False``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if predicate():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """Shut the service down and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self.service.shutdown()
+        self._closed = True
+
+        async def drain() -> None:
+            await asyncio.sleep(0)
+
+        asyncio.run_coroutine_threadsafe(drain(), self._loop).result(_CALL_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(_CALL_TIMEOUT_S)
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
