@@ -23,15 +23,25 @@ Frames are stored exactly as received, so a malformed message is captured as it 
 from __future__ import annotations
 
 import struct
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, Self
+from typing import IO, Any, Final, Literal, Self
 
 import msgspec
 
-__all__ = ["MAGIC", "CaptureError", "CaptureReader", "CaptureWriter", "FrameRecord"]
+from kvbridge.adapters.publisher import Publisher
+
+__all__ = [
+    "MAGIC",
+    "CaptureError",
+    "CaptureReader",
+    "CaptureWriter",
+    "FrameRecord",
+    "replay_capture",
+]
 
 MAGIC: Final = b"KVCAP\x01\n"
 VERSION: Final = 1
@@ -153,3 +163,40 @@ class CaptureReader:
                 yield _record_decoder.decode(body)
             except msgspec.DecodeError as error:
                 raise CaptureError(f"{self.path}: record {index}: {error}") from error
+
+
+def replay_capture(
+    records: Sequence[FrameRecord],
+    endpoint: str,
+    *,
+    pace: Literal["original", "max"] = "original",
+    wait_subscribers: float = 5.0,
+    stop: threading.Event | None = None,
+) -> int:
+    """Publish the captured frames on a PUB socket, byte for byte, in capture order.
+
+    ``endpoint`` follows vLLM's bind/connect rule, so a subscriber configured for the recorded
+    engine works unchanged. ``pace="original"`` keeps the recorded gaps between messages;
+    ``"max"`` sends as fast as the socket takes them. Waits up to ``wait_subscribers`` seconds
+    for a first subscriber, since a PUB socket drops what it sends before anyone listens.
+    Returns the number of messages sent.
+    """
+    with Publisher(endpoint) as publisher:
+        if wait_subscribers > 0:
+            publisher.wait_for_subscribers(timeout=wait_subscribers)
+        start = time.monotonic()
+        first_ns = records[0].received_ns if records else 0
+        sent = 0
+        for record in records:
+            if stop is not None and stop.is_set():
+                break
+            if pace == "original":
+                delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
+                if delay > 0 and stop is not None:
+                    stop.wait(delay)
+                elif delay > 0:
+                    time.sleep(delay)
+            publisher.send_frames(record.frames)
+            sent += 1
+        time.sleep(0.1)  # let ZMQ flush before the socket closes (linger is 0)
+        return sent

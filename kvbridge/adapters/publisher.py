@@ -98,6 +98,7 @@ class Publisher:
         bind: force the PUB socket to bind (``True``) or connect (``False``); ``None`` applies
             vLLM's rule.
         hwm: PUB high-water mark (vLLM's ``KVEventsConfig.hwm``); messages beyond it are dropped.
+        first_seq: the seq of the first batch (a vLLM engine starts at 0).
 
     Raises:
         ValueError: ``buffer_steps`` or ``hwm`` is negative.
@@ -115,6 +116,7 @@ class Publisher:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         bind: bool | None = None,
         hwm: int = 100_000,
+        first_seq: int = 0,
     ) -> None:
         if buffer_steps < 0:
             raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
@@ -124,7 +126,7 @@ class Publisher:
         self._replay_topic_frame: Final[bool] = replay_topic_frame
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._next_seq = 0
+        self._next_seq = first_seq
         self._closed = False
         self._stop = threading.Event()
         self._replay_thread: threading.Thread | None = None
@@ -216,6 +218,14 @@ class Publisher:
             pub.send_multipart((self._topic, used.to_bytes(8, "big"), payload))
         return used
 
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Send a message's frames exactly as given, outside the sequence and replay buffer
+        (to reproduce a capture, malformed messages included)."""
+        pub = self._pub
+        if self._closed or pub is None:
+            raise RuntimeError("publisher is closed")
+        pub.send_multipart(frames)
+
     def wait_for_subscribers(
         self, count: int = 1, *, timeout: float = 5.0, settle: float = 0.05
     ) -> bool:
@@ -226,7 +236,9 @@ class Publisher:
         handshakes minus disconnects, as seen by a socket monitor set up at construction). The
         subscription is sent right after the handshake, so it can still be in flight when the
         handshake completes: on localhost about 1 message in 100 published at that instant was
-        lost, and none after 1 ms, hence ``settle``.
+        lost, and none after 1 ms, hence ``settle``. When the subscriber *binds* (connect mode),
+        its subscription to a new peer is only sent once the subscriber's own thread next polls
+        or receives on its socket, so an idle bound SUB can stay unsubscribed after this returns.
 
         Call it from the publishing thread. Returns ``False`` on timeout.
 

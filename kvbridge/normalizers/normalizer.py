@@ -128,10 +128,14 @@ class Normalizer:
         self.block_size = block_size
         self.retain_evicted = retain_evicted
         self.main_kinds = frozenset(main_kinds)
-        self.stats: Counter[str] = Counter()
-        """Blocks not forwarded, by :class:`DropReason` (clears count once)."""
         self.forwarded: Counter[tuple[str, Tier]] = Counter()
-        """Blocks forwarded, by (``"stored"`` | ``"removed"`` | ``"cleared"``, tier)."""
+        """Blocks forwarded, by (``"stored"`` | ``"removed"`` | ``"cleared"``, tier); a clear
+        counts once per tier."""
+        self.dropped: Counter[tuple[str, str, str]] = Counter()
+        """Blocks not forwarded, by (``"stored"`` | ``"removed"``, tier or ``"unknown"``,
+        :class:`DropReason`)."""
+        self.unknown_fields = 0
+        """Unknown fields the decoder ignored in this stream's batches."""
         self._ranks: dict[int, _Rank] = {}
         self._event_ids = itertools.count()
         self._seeds: dict[tuple[str | None, str | None], int] = {}
@@ -148,8 +152,7 @@ class Normalizer:
         rank = self._ranks.get(dp_rank)
         if rank is None:
             rank = self._ranks[dp_rank] = _Rank()
-        if batch.unknown_fields:
-            self.stats[DropReason.UNKNOWN_FIELD] += batch.unknown_fields
+        self.unknown_fields += batch.unknown_fields
         out: list[TieredEvent] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -177,6 +180,16 @@ class Normalizer:
         return out
 
     @property
+    def stats(self) -> Counter[str]:
+        """Blocks not forwarded, by :class:`DropReason`, plus ``unknown_field``."""
+        totals: Counter[str] = Counter()
+        for (_, _, reason), count in self.dropped.items():
+            totals[reason] += count
+        if self.unknown_fields:
+            totals[DropReason.UNKNOWN_FIELD] = self.unknown_fields
+        return totals
+
+    @property
     def dp_ranks(self) -> list[int]:
         return sorted(self._ranks)
 
@@ -187,32 +200,34 @@ class Normalizer:
 
     # -- events ---------------------------------------------------------------------------
 
-    def _drop(self, reason: str, count: int, **context: Any) -> None:
-        self.stats[reason] += count
+    def _drop(self, kind: str, tier: Tier | None, reason: str, count: int, **context: Any) -> None:
+        self.dropped[kind, "unknown" if tier is None else tier.value, reason] += count
         if reason not in self._logged:
             self._logged.add(reason)
             self._log.warning("event dropped", reason=reason, **context)
 
     def _admit(self, rank: _Rank, event: BlockStored | BlockRemoved, count: int) -> Tier | None:
         """The event's tier, or ``None`` after counting why the event is not indexed."""
+        kind = "stored" if isinstance(event, BlockStored) else "removed"
         tier = tier_for_medium(event.medium)
         if tier is None:
-            self._drop(DropReason.UNKNOWN_MEDIUM, count, medium=event.medium)
+            self._drop(kind, None, DropReason.UNKNOWN_MEDIUM, count, medium=event.medium)
             return None
         if event.locality is not None and event.locality.upper() != "LOCAL":
             remote = event.locality.upper() == "REMOTE"
             reason = DropReason.REMOTE_LOCALITY if remote else DropReason.UNKNOWN_LOCALITY
-            self._drop(reason, count, locality=event.locality)
+            self._drop(kind, tier, reason, count, locality=event.locality)
             return None
         group = event.group_idx
-        kind = getattr(event, "kv_cache_spec_kind", None)
-        if kind is not None and group is not None:
-            rank.group_kinds[group] = kind
-        if kind is None and group is not None:
-            kind = rank.group_kinds.get(group)
-        main = kind in self.main_kinds if kind is not None else group in (None, 0)
+        spec = getattr(event, "kv_cache_spec_kind", None)
+        if spec is not None and group is not None:
+            rank.group_kinds[group] = spec
+        if spec is None and group is not None:
+            spec = rank.group_kinds.get(group)
+        main = spec in self.main_kinds if spec is not None else group in (None, 0)
         if not main:
-            self._drop(DropReason.NON_MAIN_GROUP, count, group_idx=group, kind=kind)
+            reason = DropReason.NON_MAIN_GROUP
+            self._drop(kind, tier, reason, count, group_idx=group, spec_kind=spec)
             return None
         return tier
 
@@ -236,12 +251,15 @@ class Normalizer:
             for engine_hash in event.block_hashes:
                 block = rank.lookup(engine_hash_u64(engine_hash))
                 if block is None:
-                    self._drop(DropReason.UNRESOLVED_PLACEHOLDER, 1, medium=event.medium)
+                    reason = DropReason.UNRESOLVED_PLACEHOLDER
+                    self._drop("stored", tier, reason, 1, medium=event.medium)
                 else:
                     blocks.append(block)
         else:
             if event.block_size != self.block_size:
                 self._drop(
+                    "stored",
+                    tier,
                     DropReason.BLOCK_SIZE_MISMATCH,
                     count,
                     expected=self.block_size,
@@ -250,7 +268,7 @@ class Normalizer:
                 return
             blocks = self._canonical_blocks(rank, event)
             if blocks is None:
-                self._drop(DropReason.ORPHAN_PARENT, count)
+                self._drop("stored", tier, DropReason.ORPHAN_PARENT, count)
                 return
         self._make_resident(rank, dp_rank, event_id, tier, blocks, out)
 
@@ -310,7 +328,7 @@ class Normalizer:
         if run:
             out.append(self._store_event(dp_rank, event_id, tier, run))
         if duplicates:
-            self.stats[DropReason.DUPLICATE_STORE] += duplicates
+            self.dropped["stored", tier.value, DropReason.DUPLICATE_STORE] += duplicates
 
     def _store_event(
         self, dp_rank: int, event_id: int, tier: Tier, run: list[_Block]
@@ -351,10 +369,10 @@ class Normalizer:
             block = rank.blocks.get(key)
             count = 0 if block is None else refs.get(block.canonical, 0)
             if block is None or count == 0:
-                self._drop(DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
+                self._drop("removed", tier, DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
             elif count > 1:
                 refs[block.canonical] = count - 1
-                self.stats[DropReason.STILL_REFERENCED] += 1
+                self.dropped["removed", tier.value, DropReason.STILL_REFERENCED] += 1
             else:
                 del refs[block.canonical]
                 gone.append(block.canonical)

@@ -21,7 +21,8 @@ __all__ = [
     "StoredData",
 ]
 
-U64: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF_FFFF_FFFF)]
+U64: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
+"""An unsigned 64-bit hash. msgspec itself rejects integers above 2**64 - 1."""
 
 
 class MmObject(msgspec.Struct):

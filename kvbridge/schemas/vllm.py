@@ -33,6 +33,7 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "layout_for",
+    "layout_types",
 ]
 
 BlockHash: TypeAlias = int | bytes
@@ -199,8 +200,8 @@ class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     data_parallel_rank: int | None = None
 
 
-class _TolerantWireBatch(_WireBatch, array_like=True):
-    pass
+class _TolerantWireBatch(_WireBatch, array_like=True, forbid_unknown_fields=False):
+    """Struct options are inherited, so ``forbid_unknown_fields`` must be switched off here."""
 
 
 _BATCH = msgspec.msgpack.Decoder(_WireBatch)
@@ -314,19 +315,21 @@ def decode_batch(payload: bytes | memoryview) -> VllmBatch:
 
 
 @functools.cache
-def _wire_types(layout: Layout) -> dict[str, type[msgspec.Struct]]:
-    """The event structs of one layout, declared as that release declares them, so that msgspec
-    writes the same bytes (map headers and omitted defaults included)."""
+def layout_types(layout: Layout) -> dict[str, type[msgspec.Struct]]:
+    """The event structs of one layout, declared as that release declares them (same fields,
+    order, defaults and encoding), so that msgspec writes the same bytes (map headers and
+    omitted defaults included) and exports that release's JSON Schema."""
     types: dict[str, type[msgspec.Struct]] = {}
-    for tag, names, required in (
-        ("BlockStored", layout.stored, _STORED_ALWAYS_SENT),
-        ("BlockRemoved", layout.removed, _REMOVED_ALWAYS_SENT),
-        ("AllBlocksCleared", (), 0),
+    for base, count, required in (
+        (BlockStored, layout.stored_fields, _STORED_ALWAYS_SENT),
+        (BlockRemoved, layout.removed_fields, _REMOVED_ALWAYS_SENT),
+        (AllBlocksCleared, 0, 0),
     ):
         fields = [
-            (name, Any) if position < required else (name, Any, None)
-            for position, name in enumerate(names)
+            (field.name, field.type) if position < required else (field.name, field.type, None)
+            for position, field in enumerate(msgspec.structs.fields(base)[:count])
         ]
+        tag = base.__name__
         types[tag] = msgspec.defstruct(
             tag,
             fields,
@@ -334,6 +337,7 @@ def _wire_types(layout: Layout) -> dict[str, type[msgspec.Struct]]:
             tag_field="type",
             array_like=layout.encoding == "array",
             omit_defaults=True,
+            module=f"vllm_{layout.first.replace('.', '_')}",
         )
     return types
 
@@ -347,7 +351,7 @@ def encode_batch(batch: VllmBatch | Sequence[Event], layout: Layout, *, ts: floa
         ts, events, rank = batch.ts, batch.events, batch.data_parallel_rank
     else:
         events, rank = list(batch), None
-    types = _wire_types(layout)
+    types = layout_types(layout)
     wire_events = []
     for event in events:
         wire_type = types[type(event).__struct_config__.tag]  # type: ignore[index]

@@ -26,12 +26,16 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from dynamo.llm import SelectionService
+from dynamo.llm.exceptions import SelectionServiceError
 
 from kvbridge.adapters.publisher import Publisher
 
-__all__ = ["SelectionHarness", "wait_connected"]
+__all__ = ["Overlap", "SelectionHarness", "wait_connected"]
 
 _T = TypeVar("_T")
+
+Overlap = dict[tuple[int, int], tuple[int, int, int]]
+"""``{(worker_id, dp_rank): (device_blocks, host_pinned_blocks, disk_blocks)}``."""
 
 _CALL_TIMEOUT_S = 10.0
 
@@ -87,6 +91,13 @@ class SelectionHarness:
         One rank 0 is registered with ``kv_events_endpoint``; otherwise ``kv_events_endpoints``
         (int keys) with ``data_parallel_start_rank`` = the lowest rank. Returns the catalog record.
         Remember the slow joiner: see the module docstring and :func:`wait_connected`.
+
+        Dynamo 1.6.1 accepts a ``replay_endpoint`` only with one rank: with two ranks the record
+        comes back ``lifecycle="incomplete"``, ``not_schedulable_reasons=["replay_endpoint is
+        supported only for data_parallel_size 1"]`` and no listener is started at all. Register
+        one worker per rank (e.g. ``endpoints={1: ...}``) to get replay for DP engines.
+        Upserting an existing worker again with the same endpoints changes nothing (no new
+        listener, same seq watermark); use :meth:`remove_worker` first to reset it.
         """
         if not endpoints:
             raise ValueError("endpoints must name at least one dp rank")
@@ -111,26 +122,50 @@ class SelectionHarness:
 
         return self._run(upsert())
 
-    def overlap_raw(
-        self,
-        token_ids: list[int],
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        model_name: str = "m",
-    ) -> dict[str, Any]:
-        """Return the service's ``overlap_scores`` answer unchanged."""
-        request: dict[str, Any] = {"token_ids": token_ids, "model_name": model_name}
-        if lora_name is not None:
-            request["lora_name"] = lora_name
-        if cache_salt is not None:
-            request["cache_salt"] = cache_salt
+    def remove_worker(self, worker_id: int) -> dict[str, Any]:
+        """``delete_worker``: drop the worker, its listeners and its indexed blocks.
+
+        Re-adding it afterwards starts from an empty index and a fresh seq watermark (the way to
+        make the service accept seq 0 again after an engine restart).
+        """
+
+        async def delete() -> dict[str, Any]:
+            record: dict[str, Any] = await self.service.delete_worker(worker_id)
+            return record
+
+        return self._run(delete())
+
+    def overlap_raw(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Return the service's ``overlap_scores`` answer for ``request`` unchanged.
+
+        ``request`` is either the tokens form (``token_ids`` ...) or the precomputed form
+        (``block_hashes``, ``sequence_hashes``, ``isl_tokens``), plus ``model_name``.
+        """
 
         async def scores() -> dict[str, Any]:
             result: dict[str, Any] = await self.service.overlap_scores(request)
             return result
 
         return self._run(scores())
+
+    def overlap_request(self, request: dict[str, Any]) -> Overlap:
+        """Like :meth:`overlap` for an arbitrary ``overlap_scores`` request.
+
+        With no schedulable worker the service raises ``SelectionServiceError`` (kind
+        ``not_ready``, "no schedulable workers are available"); that is reported as ``{}``.
+        """
+        try:
+            raw = self.overlap_raw(request)
+        except SelectionServiceError as exc:
+            if getattr(exc, "kind", None) == "not_ready":
+                return {}
+            raise
+        out: Overlap = {}
+        for w in raw["workers"]:
+            counts = (int(w["device_blocks"]), int(w["host_pinned_blocks"]), int(w["disk_blocks"]))
+            if any(counts):
+                out[(int(w["worker_id"]), int(w["dp_rank"]))] = counts
+        return out
 
     def overlap(
         self,
@@ -139,21 +174,18 @@ class SelectionHarness:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         model_name: str = "m",
-    ) -> dict[tuple[int, int], tuple[int, int, int]]:
+    ) -> Overlap:
         """Return ``{(worker_id, dp_rank): (device, host_pinned, disk)}`` overlap, in blocks.
 
         The counts are cumulative as Dynamo reports them (host includes device, disk includes
         host). Workers whose three counts are all 0 are left out (the service lists them).
         """
-        raw = self.overlap_raw(
-            token_ids, lora_name=lora_name, cache_salt=cache_salt, model_name=model_name
-        )
-        out: dict[tuple[int, int], tuple[int, int, int]] = {}
-        for w in raw["workers"]:
-            counts = (int(w["device_blocks"]), int(w["host_pinned_blocks"]), int(w["disk_blocks"]))
-            if any(counts):
-                out[(int(w["worker_id"]), int(w["dp_rank"]))] = counts
-        return out
+        request: dict[str, Any] = {"token_ids": token_ids, "model_name": model_name}
+        if lora_name is not None:
+            request["lora_name"] = lora_name
+        if cache_salt is not None:
+            request["cache_salt"] = cache_salt
+        return self.overlap_request(request)
 
     @staticmethod
     def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:

@@ -1,0 +1,138 @@
+"""Prometheus metrics of a relay, read from its live counters at scrape time.
+
+Nothing is counted twice: the collector turns the relay's, subscriber's and normalizers' own
+counters into metric families when Prometheus scrapes, so the hot path pays nothing. Needs the
+``metrics`` extra (``prometheus-client``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.schemas.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvbridge.adapters.relay import Relay
+    from kvbridge.adapters.zmq import Subscriber
+
+__all__ = ["METRICS", "serve_metrics"]
+
+METRICS: dict[str, str] = {
+    "kvbridge_blocks_total": "Blocks by event type, tier and outcome (forwarded or a drop reason)",
+    "kvbridge_clears_total": "Tier clears forwarded (AllBlocksCleared, restarts, lost batches)",
+    "kvbridge_batches_total": "Batches by direction: in (received), out (published)",
+    "kvbridge_bad_frames_total": "Messages skipped, by reason",
+    "kvbridge_unknown_fields_total": "Unknown fields ignored by the decoder",
+    "kvbridge_gaps_total": "Sequence gaps detected",
+    "kvbridge_replays_total": "Replay requests sent to the engine",
+    "kvbridge_replayed_batches_total": "Batches recovered through replay",
+    "kvbridge_lost_batches_total": "Batches no replay could recover (the worker was cleared)",
+    "kvbridge_restarts_total": "Publisher restarts detected (sequence went backwards)",
+    "kvbridge_duplicate_batches_total": "Live batches already delivered by a replay",
+    "kvbridge_lag_seconds": "Time from the engine step to the relay, last batch per worker",
+    "kvbridge_resident_blocks": "Distinct blocks resident per worker, dp rank and tier",
+}
+"""Every metric kvbridge exports, with its help text."""
+
+
+class _Collector:
+    """Reads a relay's counters, or only a subscriber's (``kvbridge record``)."""
+
+    def __init__(self, relay: Relay | None, subscriber: Subscriber | None) -> None:
+        self.relay = relay
+        self.subscriber = subscriber or (relay.subscriber if relay else None)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        if self.relay is not None:
+            yield from self._relay_metrics(self.relay)
+        if self.subscriber is not None:
+            yield from self._subscriber_metrics(self.subscriber)
+
+    def _relay_metrics(self, relay: Relay) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        blocks = _counter("kvbridge_blocks_total", ["worker", "type", "tier", "outcome"])
+        clears = _counter("kvbridge_clears_total", ["worker", "tier"])
+        unknown = _counter("kvbridge_unknown_fields_total", ["worker"])
+        lag = GaugeMetricFamily(
+            "kvbridge_lag_seconds", METRICS["kvbridge_lag_seconds"], labels=["worker"]
+        )
+        resident = GaugeMetricFamily(
+            "kvbridge_resident_blocks",
+            METRICS["kvbridge_resident_blocks"],
+            labels=["worker", "dp_rank", "tier"],
+        )
+        for worker_id, worker in relay.workers.items():
+            name = str(worker_id)
+            normalizer = worker.normalizer
+            for (kind, tier), count in normalizer.forwarded.items():
+                if kind == "cleared":
+                    clears.add_metric([name, tier.value], count)
+                else:
+                    blocks.add_metric([name, kind, tier.value, "forwarded"], count)
+            for (kind, tier_name, reason), count in normalizer.dropped.items():
+                blocks.add_metric([name, kind, tier_name, reason], count)
+            unknown.add_metric([name], normalizer.unknown_fields)
+            lag.add_metric([name], worker.lag)
+            for rank in normalizer.dp_ranks:
+                for tier in Tier:
+                    count = normalizer.resident_blocks(rank, tier)
+                    resident.add_metric([name, str(rank), tier.value], count)
+        yield from (blocks, clears, unknown, lag, resident)
+        batches = _counter("kvbridge_batches_total", ["direction"])
+        batches.add_metric(["in"], relay.stats["batches_in"])
+        batches.add_metric(["out"], relay.stats["batches_out"])
+        yield batches
+
+    def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:
+        own = self.relay.stats if self.relay is not None else {}
+        bad = _counter("kvbridge_bad_frames_total", ["reason"])
+        for key, count in (*own.items(), *subscriber.stats.items()):
+            if key.startswith("bad_frame:"):
+                bad.add_metric([key.removeprefix("bad_frame:")], count)
+        yield bad
+        for name, key in (
+            ("kvbridge_gaps_total", "gaps"),
+            ("kvbridge_replays_total", "replays"),
+            ("kvbridge_replayed_batches_total", "replayed"),
+            ("kvbridge_lost_batches_total", "lost"),
+            ("kvbridge_restarts_total", "restarts"),
+            ("kvbridge_duplicate_batches_total", "duplicates"),
+        ):
+            family = _counter(name, [])
+            family.add_metric([], subscriber.stats[key])
+            yield family
+
+
+def _counter(name: str, labels: list[str]) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    return CounterMetricFamily(name.removesuffix("_total"), METRICS[name], labels=labels)
+
+
+def serve_metrics(
+    port: int,
+    *,
+    relay: Relay | None = None,
+    subscriber: Subscriber | None = None,
+    host: str = "127.0.0.1",
+) -> None:
+    """Serve metrics on ``http://host:port/metrics`` from a daemon thread: the relay's (or a
+    bare subscriber's) counters, plus the process and Python metrics of prometheus-client."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as error:
+        raise RuntimeError(
+            "--metrics-port needs the metrics extra: pip install 'kvbridge[metrics]'"
+        ) from error
+    from prometheus_client import REGISTRY
+
+    registry = REGISTRY
+    if relay is not None or subscriber is not None:
+        registry = CollectorRegistry()
+        registry.register(_Collector(relay, subscriber))
+    start_http_server(port, addr=host, registry=registry)

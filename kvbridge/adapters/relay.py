@@ -1,0 +1,191 @@
+"""The relay: vLLM streams in, a canonical stream per worker out, that unmodified Dynamo indexes.
+
+Each source goes ``Subscriber`` → ``decode_batch`` → its worker's ``Normalizer``; the canonical
+events are re-encoded (:mod:`kvbridge.normalizers.canonical`) and published on an output stream
+of its own, with a replay ROUTER speaking vLLM's 0.26+ replay protocol. Dynamo registers each
+worker with the relay's endpoints instead of the engine's and recovers from gaps the usual way.
+
+Outputs mirror the sources one to one, offset the way vLLM offsets data-parallel ranks: the
+``i``-th source is republished on ``tcp://host:(port + i)`` with replays on
+``tcp://host:(replay_port + i)``. A vLLM engine with two dp ranks is two sources, so Dynamo sees
+the same endpoint layout it would see from the engine (and Dynamo 1.6 serves replays only to a
+worker registered with one dp rank).
+
+The relay's sequence numbers start at the microseconds since the epoch rather than 0: Dynamo
+ignores a stream whose sequence goes backwards until it passes the last one seen, so a restarted
+relay must continue above the sequence numbers of its previous run. An engine restart, which the
+relay sees as its input sequence going back, goes out as an ``AllBlocksCleared`` on a stream
+whose sequence keeps increasing.
+
+Without a publish endpoint the relay only tracks state (``kvbridge watch``); with an ``index``
+it also feeds an in-process :class:`~kvbridge.adapters.dynamo.TieredIndex`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Final
+
+import structlog
+import zmq
+
+from kvbridge.adapters.dynamo import TieredIndex
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Message, Source, StreamReset, Subscriber
+from kvbridge.normalizers import Normalizer
+from kvbridge.normalizers.canonical import encode_canonical
+from kvbridge.schemas import SchemaError, TieredEvent, decode_batch
+
+__all__ = ["Relay", "offset_endpoint"]
+
+DEFAULT_BUFFER_STEPS: Final = 10_000
+
+log = structlog.get_logger("kvbridge.relay")
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """``tcp://host:port`` with the port moved up by ``offset``, as vLLM offsets dp ranks."""
+    if offset == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not endpoint.startswith("tcp://"):
+        raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
+    return f"{head}:{int(port) + offset}"
+
+
+class _Worker:
+    """One worker's normalizer, shared by its sources (one per dp rank)."""
+
+    __slots__ = ("lag", "normalizer", "ranks")
+
+    def __init__(self, normalizer: Normalizer) -> None:
+        self.normalizer = normalizer
+        self.ranks: dict[Source, set[int]] = {}
+        """The dp ranks seen on each source, to clear when that source resets."""
+        self.lag = 0.0
+        """Seconds between the engine step and its batch reaching the relay, last batch."""
+
+
+class Relay:
+    """Relays and canonicalises the KV-event streams of one or more vLLM workers."""
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        block_size: int,
+        publish: str | None = None,
+        publish_replay: str | None = None,
+        topic: str = "",
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        index: TieredIndex | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if not sources:
+            raise ValueError("a relay needs at least one source")
+        self.block_size = block_size
+        self.index = index
+        self.context = context or zmq.Context.instance()
+        self.subscriber = Subscriber(sources, context=self.context, max_frame_bytes=max_frame_bytes)
+        self.stats: Counter[str] = Counter()
+        """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
+        self.workers: dict[int, _Worker] = {}
+        self.outputs: dict[Source, Publisher] = {}
+        first_seq = time.time_ns() // 1000
+        for offset, source in enumerate(sources):
+            if source.worker_id not in self.workers:
+                self.workers[source.worker_id] = _Worker(Normalizer(source.worker_id, block_size))
+            if publish is None:
+                continue
+            publisher = Publisher(
+                offset_endpoint(publish, offset),
+                replay_endpoint=offset_endpoint(publish_replay, offset) if publish_replay else None,
+                topic=topic,
+                buffer_steps=buffer_steps,
+                context=self.context,
+                bind=True,
+                first_seq=first_seq,
+            )
+            if publish_replay:
+                publisher.start_replay_thread()
+            self.outputs[source] = publisher
+
+    def endpoints(self, source: Source) -> tuple[str, str | None]:
+        """The bound publish and replay endpoints that republish ``source``."""
+        publisher = self.outputs[source]
+        return publisher.endpoint, publisher.replay_endpoint
+
+    def step(self, timeout_ms: int = 100) -> int:
+        """Process whatever arrives within ``timeout_ms``; returns the number of batches."""
+        items = self.subscriber.poll(timeout_ms)
+        for item in items:
+            if isinstance(item, StreamReset):
+                self._reset(item)
+            else:
+                self._relay(item)
+        return len(items)
+
+    def run(self, stop: threading.Event, timeout_ms: int = 100) -> None:
+        """Relay until ``stop`` is set."""
+        while not stop.is_set():
+            self.step(timeout_ms)
+
+    def _relay(self, message: Message) -> None:
+        self.stats["batches_in"] += 1
+        worker = self.workers[message.source.worker_id]
+        try:
+            batch = decode_batch(message.payload)
+        except SchemaError as error:
+            self.stats["bad_frame:schema"] += 1
+            log.warning(
+                "bad frame skipped",
+                stream=message.source.endpoint,
+                seq=message.seq,
+                reason="schema",
+                error=str(error),
+            )
+            return
+        worker.ranks.setdefault(message.source, set()).add(batch.data_parallel_rank or 0)
+        worker.lag = max(0.0, time.time() - batch.ts)
+        events = worker.normalizer.normalize(batch, message.seq)
+        self._emit(message.source, events, batch.ts)
+
+    def _reset(self, reset: StreamReset) -> None:
+        worker = self.workers[reset.source.worker_id]
+        events: list[TieredEvent] = []
+        for rank in sorted(worker.ranks.pop(reset.source, ())):
+            events.extend(worker.normalizer.reset(rank))
+        log.warning(
+            "worker cleared",
+            worker_id=reset.source.worker_id,
+            stream=reset.source.endpoint,
+            reason=reset.reason,
+            lost_batches=reset.lost_batches,
+        )
+        self._emit(reset.source, events, time.time())
+
+    def _emit(self, source: Source, events: list[TieredEvent], ts: float) -> None:
+        if not events:
+            return
+        if self.index is not None:
+            self.index.apply(events)
+        publisher = self.outputs.get(source)
+        if publisher is not None:
+            for payload in encode_canonical(events, self.block_size, ts):
+                publisher.publish(payload)
+                self.stats["batches_out"] += 1
+
+    def close(self) -> None:
+        self.subscriber.close()
+        for publisher in self.outputs.values():
+            publisher.close()
+
+    def __enter__(self) -> Relay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,576 @@
+"""Tests for ``kvbridge.adapters.publisher.Publisher`` over real ZMQ sockets on 127.0.0.1.
+
+(a) live frames seen by a SUB, (b) replay answers seen by a DEALER, in both layouts,
+(c) a real ``dynamo.llm.SelectionService`` indexing what the Publisher sends,
+(d) the SelectionService recovering unsent batches through the replay socket.
+
+Facts: /work/shared/facts/vllm-kv-events.md sections 1, 8, 13 and
+/work/shared/facts/dynamo-indexer.md sections 2-4.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import xxhash
+import zmq
+from support.selection import SelectionHarness, wait_connected
+
+from kvbridge.adapters.publisher import END_SEQ, Publisher, should_bind
+
+LOCAL = "tcp://127.0.0.1:0"
+RECV_TIMEOUT_MS = 2000
+
+# tokens 100..115 with block size 4: four blocks (dynamo-indexer.md 2.1).
+TOKENS = list(range(100, 116))
+BLOCK_SIZE = 4
+TOKENS_HASH = [
+    6320977984009303047,
+    16988655349664461655,
+    6717274780279712737,
+    10507561201108444448,
+]
+SEQUENCE_HASH = [
+    6320977984009303047,
+    3184517425968952090,
+    3284552213212070830,
+    4799968867515202603,
+]
+# vLLM-side block hashes: the 64-bit SHA-256 conversions of "a" and "b" (vllm-kv-events.md 13),
+# plus two more. Dynamo keys its index on tokens_hash, not on these.
+H_A = 13366815110101616827
+H_B = 14660323646696587421
+H_C = 3
+H_D = 4
+
+# BlockStored, map form (0.24+), from vllm-kv-events.md section 13.
+BLOCK_STORED_VECTOR = bytes.fromhex(
+    "de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfb9807785afee48bb"
+    "cfcb73eeaed59c009db1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647398010203"
+    "0405060708aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f7261"
+    "5f6e616d65c0aa65787472615f6b65797392c0c0a967726f75705f69647800b26b765f63616368655f73"
+    "7065635f6b696e64ae66756c6c5f617474656e74696f6e"
+)
+
+
+# --------------------------------------------------------------------------- encoders
+
+
+def block_stored(
+    hashes: list[int],
+    tokens: list[int],
+    *,
+    parent: int | None = None,
+    medium: str = "GPU",
+    lora_name: str | None = None,
+) -> dict[str, Any]:
+    """A vLLM 0.24+ tagged-map BlockStored event, field order as vLLM emits it."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK_SIZE,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": lora_name,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def block_removed(hashes: list[int], *, medium: str = "GPU") -> dict[str, Any]:
+    """A vLLM 0.24+ tagged-map BlockRemoved event."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0}
+
+
+def batch(events: list[dict[str, Any]], dp_rank: int = 0, ts: float = 1_700_000_000.5) -> bytes:
+    """A msgpack batch ``[ts, events, dp_rank]`` (an array in every vLLM version)."""
+    return msgspec.msgpack.encode([ts, events, dp_rank])
+
+
+def seq8(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def tokens_hash(block: list[int], seed: int = 1337) -> int:
+    return xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in block), seed=seed)
+
+
+def signed(value: int) -> int:
+    return value - 2**64 if value >= 2**63 else value
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def harness() -> Iterator[SelectionHarness]:
+    with SelectionHarness() as h:
+        yield h
+
+
+def subscriber(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    return sub
+
+
+def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    sock.connect(endpoint)
+    return sock
+
+
+def read_replay(sock: zmq.Socket[bytes]) -> list[list[bytes]]:
+    """Every message of one replay answer, end marker included."""
+    messages: list[list[bytes]] = []
+    while True:
+        frames = sock.recv_multipart()
+        messages.append(frames)
+        if frames[-1] == b"" and frames[-2] == END_SEQ:
+            return messages
+
+
+def request_replay(pub: Publisher, sock: zmq.Socket[bytes], start: int) -> list[list[bytes]]:
+    """Send a replay request from a DEALER, serve it in this thread, read the answer."""
+    sock.send_multipart([b"", seq8(start)])
+    assert pub.serve_replays(timeout_ms=RECV_TIMEOUT_MS) == 1
+    return read_replay(sock)
+
+
+# --------------------------------------------------------------------------- bind/connect
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://[::]:5557", True),
+        ("tcp://::1:5557", True),
+        ("ipc:///tmp/kv", True),
+        ("inproc://kv", True),
+        ("tcp://127.0.0.1:5557", False),
+        ("tcp://10.0.0.5:5557", False),
+        ("tcp://localhost:5557", False),
+    ],
+)
+def test_should_bind_follows_vllm_rule(endpoint: str, expected: bool) -> None:
+    assert should_bind(endpoint) is expected
+
+
+def test_endpoints_resolve_ephemeral_ports() -> None:
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:")
+        assert pub.replay_endpoint is not None
+        assert pub.replay_endpoint.startswith("tcp://127.0.0.1:")
+        assert int(pub.endpoint.rsplit(":", 1)[1]) > 0
+        assert int(pub.replay_endpoint.rsplit(":", 1)[1]) > 0
+        assert pub.endpoint != pub.replay_endpoint
+    with Publisher("tcp://*:0") as pub:  # '*' binds by vLLM's rule
+        assert pub.endpoint.startswith("tcp://0.0.0.0:")
+        assert pub.replay_endpoint is None
+
+
+# --------------------------------------------------------------------------- (a) live frames
+
+
+def test_sub_receives_exact_frames(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with Publisher(LOCAL, bind=True, topic="kv@r0") as pub:
+        sub = subscriber(ctx, pub.endpoint)
+        assert pub.wait_for_subscribers(timeout=5.0)
+        assert pub.publish(b"p0") == 0
+        assert pub.publish(b"p1") == 1
+        assert pub.publish(b"p7", seq=7) == 7
+        assert pub.publish(b"p8", send=False) == 8  # stored for replay, never sent
+        assert pub.publish(b"p9") == 9
+        assert pub.next_seq == 10
+        pub.restart()
+        assert pub.next_seq == 0
+        assert pub.publish(b"again") == 0
+
+        received = [sub.recv_multipart() for _ in range(5)]
+        assert received == [
+            [b"kv@r0", seq8(0), b"p0"],
+            [b"kv@r0", seq8(1), b"p1"],
+            [b"kv@r0", seq8(7), b"p7"],
+            [b"kv@r0", seq8(9), b"p9"],
+            [b"kv@r0", seq8(0), b"again"],
+        ]
+        assert sub.poll(100) == 0
+
+
+def test_connect_mode_when_subscriber_binds(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """tcp://127.0.0.1:PORT makes vLLM (and the Publisher, by default) connect."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(LOCAL)
+    address = sub.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(address, bytes)
+    with Publisher(address.decode(), context=ctx) as pub:
+        assert pub.endpoint == address.decode()
+        assert pub.wait_for_subscribers(timeout=5.0)
+        # A *bound* SUB sends its subscription to a new peer only when its own thread next
+        # processes commands (any poll/recv). Without this poll the first batches are dropped.
+        assert sub.poll(100) == 0
+        payload = batch([block_removed([H_A])])
+        assert pub.publish(payload) == 0
+        assert sub.recv_multipart() == [b"", seq8(0), payload]
+
+
+def test_argument_validation() -> None:
+    with pytest.raises(ValueError, match="buffer_steps"):
+        Publisher(LOCAL, bind=True, buffer_steps=-1)
+    pub = Publisher(LOCAL, bind=True)
+    with pytest.raises(ValueError, match="seq"):
+        pub.publish(b"x", seq=-1)
+    with pytest.raises(ValueError, match="seq"):
+        pub.publish(b"x", seq=2**64 - 1)  # would read as the end marker
+    assert pub.publish(b"x", seq=2**64 - 2) == 2**64 - 2
+    with pytest.raises(RuntimeError, match="no replay_endpoint"):
+        pub.start_replay_thread()
+    assert pub.serve_replays() == 0
+    pub.close()
+    pub.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish(b"x")
+
+
+# --------------------------------------------------------------------------- (b) replay
+
+
+def test_replay_topic_layout(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, topic="kv") as pub:
+        assert pub.replay_endpoint is not None
+        for payload in (b"b0", b"b1", b"b2"):
+            pub.publish(payload, send=False)
+        sock = dealer(ctx, pub.replay_endpoint)
+        assert request_replay(pub, sock, 1) == [
+            [b"", b"kv", seq8(1), b"b1"],
+            [b"", b"kv", seq8(2), b"b2"],
+            [b"", b"", END_SEQ, b""],
+        ]
+        assert request_replay(pub, sock, 0)[0] == [b"", b"kv", seq8(0), b"b0"]
+        assert request_replay(pub, sock, 3) == [[b"", b"", END_SEQ, b""]]
+
+
+def test_replay_legacy_layout(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with Publisher(
+        LOCAL, bind=True, replay_endpoint=LOCAL, topic="kv", replay_topic_frame=False
+    ) as pub:
+        assert pub.replay_endpoint is not None
+        for payload in (b"b0", b"b1", b"b2"):
+            pub.publish(payload)
+        sock = dealer(ctx, pub.replay_endpoint)
+        assert request_replay(pub, sock, 1) == [
+            [b"", seq8(1), b"b1"],
+            [b"", seq8(2), b"b2"],
+            [b"", END_SEQ, b""],
+        ]
+        assert request_replay(pub, sock, 99) == [[b"", END_SEQ, b""]]
+
+
+@pytest.mark.parametrize("topic_frame", [True, False])
+def test_replay_after_buffer_aged_out(
+    ctx: zmq.Context[zmq.Socket[bytes]], topic_frame: bool
+) -> None:
+    """buffer_steps=3, five batches, ask for 0: batches 2, 3, 4, then the marker, no signal."""
+    with Publisher(
+        LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=3, replay_topic_frame=topic_frame
+    ) as pub:
+        assert pub.replay_endpoint is not None
+        for i in range(5):
+            assert pub.publish(f"b{i}".encode()) == i
+        answer = request_replay(pub, dealer(ctx, pub.replay_endpoint), 0)
+    if topic_frame:
+        assert answer == [
+            [b"", b"", seq8(2), b"b2"],
+            [b"", b"", seq8(3), b"b3"],
+            [b"", b"", seq8(4), b"b4"],
+            [b"", b"", END_SEQ, b""],
+        ]
+    else:
+        assert answer == [
+            [b"", seq8(2), b"b2"],
+            [b"", seq8(3), b"b3"],
+            [b"", seq8(4), b"b4"],
+            [b"", END_SEQ, b""],
+        ]
+
+
+def test_restart_empties_replay_buffer(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
+        assert pub.replay_endpoint is not None
+        pub.publish(b"old0")
+        pub.publish(b"old1")
+        pub.restart()
+        sock = dealer(ctx, pub.replay_endpoint)
+        assert request_replay(pub, sock, 0) == [[b"", b"", END_SEQ, b""]]
+        assert pub.publish(b"new0") == 0
+        assert request_replay(pub, sock, 0) == [
+            [b"", b"", seq8(0), b"new0"],
+            [b"", b"", END_SEQ, b""],
+        ]
+
+
+def test_malformed_replay_requests_are_ignored(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
+        assert pub.replay_endpoint is not None
+        pub.publish(b"b0")
+        sock = dealer(ctx, pub.replay_endpoint)
+        sock.send_multipart([b"", b"\x00\x00"])  # seq not 8 bytes
+        sock.send_multipart([b"x", seq8(0)])  # delimiter not empty
+        sock.send_multipart([b"", seq8(0), b"extra"])  # 4 frames at the ROUTER
+        sock.send_multipart([seq8(0)])  # REQ-less, delimiter-less
+        time.sleep(0.1)
+        assert pub.serve_replays(timeout_ms=RECV_TIMEOUT_MS) == 0
+        assert sock.poll(100) == 0
+        assert request_replay(pub, sock, 0) == [
+            [b"", b"", seq8(0), b"b0"],
+            [b"", b"", END_SEQ, b""],
+        ]
+
+
+def test_replay_thread_owns_router(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    pub = Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, topic="t")
+    assert pub.replay_endpoint is not None
+    pub.start_replay_thread()
+    with pytest.raises(RuntimeError, match="background thread"):
+        pub.serve_replays()
+    with pytest.raises(RuntimeError, match="already running"):
+        pub.start_replay_thread()
+    pub.publish(b"b0")
+    pub.publish(b"b1", send=False)
+    sock = dealer(ctx, pub.replay_endpoint)
+    sock.send_multipart([b"", seq8(1)])
+    assert read_replay(sock) == [[b"", b"t", seq8(1), b"b1"], [b"", b"", END_SEQ, b""]]
+    started = time.monotonic()
+    pub.close()
+    assert time.monotonic() - started < 1.0
+    assert pub.serve_replays() == 0
+
+
+def test_full_replay_survives_slow_reader(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """ROUTER SNDHWM = 2*(buffer_steps+1): a full replay plus its marker fits even if the client
+    reads nothing until it is all queued (with ZMQ's default 1000 only 1000 batches arrive)."""
+    steps = 2500
+    payload = b"x" * 4096
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=steps) as pub:
+        assert pub.replay_endpoint is not None
+        for _ in range(steps):
+            pub.publish(payload, send=False)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        sock.connect(pub.replay_endpoint)
+        sock.send_multipart([b"", seq8(0)])
+        assert pub.serve_replays(timeout_ms=RECV_TIMEOUT_MS) == 1
+        answer = read_replay(sock)
+    assert len(answer) == steps + 1
+    assert [int.from_bytes(m[2], "big") for m in answer[:-1]] == list(range(steps))
+    assert answer[-1] == [b"", b"", END_SEQ, b""]
+
+
+# --------------------------------------------------------------------------- encoders vs facts
+
+
+def test_event_encoding_matches_vllm_vector() -> None:
+    """A plain dict encodes to vLLM's bytes except the map header (fixmap 0x8b vs map16)."""
+    event = block_stored([H_A, H_B], [1, 2, 3, 4, 5, 6, 7, 8])
+    encoded = msgspec.msgpack.encode(event)
+    assert msgspec.msgpack.decode(BLOCK_STORED_VECTOR) == event
+    assert encoded[:1] == b"\x8b"
+    assert BLOCK_STORED_VECTOR[:3] == bytes.fromhex("de000b")
+    assert encoded[1:] == BLOCK_STORED_VECTOR[3:]
+
+
+def test_tokens_hash_facts() -> None:
+    blocks = [TOKENS[i : i + BLOCK_SIZE] for i in range(0, len(TOKENS), BLOCK_SIZE)]
+    assert [tokens_hash(b) for b in blocks] == TOKENS_HASH
+    assert tokens_hash([1, 2, 3, 4]) == 14643705804678351452
+
+
+# --------------------------------------------------------------------------- (c) SelectionService
+
+
+def test_selection_service_indexes_published_blocks(harness: SelectionHarness) -> None:
+    with Publisher(LOCAL, bind=True) as pub:
+        harness.add_worker(1, block_size=BLOCK_SIZE, endpoints={0: pub.endpoint})
+        wait_connected(pub)
+        assert harness.overlap(TOKENS) == {}
+
+        # Two stores in one batch, the second chained to the first (vLLM 0.24+ tagged maps).
+        pub.publish(
+            batch(
+                [
+                    block_stored([H_A, H_B], TOKENS[:8]),
+                    block_stored([H_C, H_D], TOKENS[8:], parent=H_B),
+                ]
+            )
+        )
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (4, 4, 4)})
+        assert harness.overlap(TOKENS) == {(1, 0): (4, 4, 4)}
+        # Prefix match only; a trailing partial block is ignored.
+        assert harness.overlap([*TOKENS[:8], 0, 0, 0, 0]) == {(1, 0): (2, 2, 2)}
+        assert harness.overlap(TOKENS[:7]) == {(1, 0): (1, 1, 1)}
+        assert harness.overlap([*TOKENS, 1, 2, 3]) == {(1, 0): (4, 4, 4)}
+        # A LoRA name changes the tokens_hash seed: no match.
+        assert harness.overlap(TOKENS, lora_name="adapter") == {}
+        # The precomputed form keys on tokens_hash (signed i64), proving which hash is indexed.
+        precomputed = {
+            "block_hashes": [signed(h) for h in TOKENS_HASH],
+            "sequence_hashes": [signed(h) for h in SEQUENCE_HASH],
+            "isl_tokens": len(TOKENS),
+            "model_name": "m",
+        }
+        assert harness.overlap_request(precomputed) == {(1, 0): (4, 4, 4)}
+
+        # Offload the last two blocks to CPU, then evict them from the GPU.
+        assert (
+            pub.publish(
+                batch(
+                    [
+                        block_stored([H_C, H_D], TOKENS[8:], parent=H_B, medium="CPU"),
+                        block_removed([H_C, H_D]),
+                    ]
+                )
+            )
+            == 1
+        )
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (2, 4, 4)})
+        assert harness.overlap(TOKENS) == {(1, 0): (2, 4, 4)}
+
+        # The batch's dp_rank overrides the registered rank 0.
+        pub.publish(batch([block_stored([H_A], TOKENS[:4])], dp_rank=3))
+        assert harness.wait_for(lambda: len(harness.overlap(TOKENS)) == 2)
+        assert harness.overlap(TOKENS) == {(1, 0): (2, 4, 4), (1, 3): (1, 1, 1)}
+
+
+def test_selection_service_two_dp_ranks(harness: SelectionHarness) -> None:
+    with Publisher(LOCAL, bind=True) as rank0, Publisher(LOCAL, bind=True) as rank1:
+        record = harness.add_worker(
+            7, block_size=BLOCK_SIZE, endpoints={0: rank0.endpoint, 1: rank1.endpoint}
+        )
+        assert record["lifecycle"] == "schedulable"
+        assert record["kv_events_endpoints"] == {0: rank0.endpoint, 1: rank1.endpoint}
+        wait_connected(rank0)
+        wait_connected(rank1)
+        rank0.publish(batch([block_stored([H_A], TOKENS[:4])], dp_rank=0))
+        rank1.publish(batch([block_stored([H_A, H_B, H_C], TOKENS[:12])], dp_rank=1))
+        expected = {(7, 0): (1, 1, 1), (7, 1): (3, 3, 3)}
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == expected)
+        assert harness.overlap(TOKENS) == expected
+
+
+# --------------------------------------------------------------------------- (d) recovery by replay
+
+
+@pytest.mark.parametrize("topic_frame", [True, False])
+def test_selection_service_replays_unsent_batches(
+    harness: SelectionHarness, topic_frame: bool
+) -> None:
+    """seq 0 is never sent; the live seq 1 makes Dynamo replay from 0 over the ROUTER.
+
+    Dynamo 1.6.1 logs "Gap detected: expected seq 0, got 1", "Requesting replay from engine
+    start_seq=0 end_seq=1" and "Replay complete replayed=2" (it also takes seq 1 from the replay
+    and then skips the live copy). Both replay layouts are understood.
+    """
+    with Publisher(
+        LOCAL, bind=True, replay_endpoint=LOCAL, topic="kv", replay_topic_frame=topic_frame
+    ) as pub:
+        pub.start_replay_thread()
+        harness.add_worker(
+            1,
+            block_size=BLOCK_SIZE,
+            endpoints={0: pub.endpoint},
+            replay_endpoint=pub.replay_endpoint,
+        )
+        wait_connected(pub)
+        assert pub.publish(batch([block_stored([H_A, H_B], TOKENS[:8])]), send=False) == 0
+        assert pub.publish(batch([block_stored([H_C, H_D], TOKENS[8:], parent=H_B)])) == 1
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (4, 4, 4)})
+        assert harness.overlap(TOKENS) == {(1, 0): (4, 4, 4)}
+
+
+def test_selection_service_replays_from_zero_when_first_seq_is_late(
+    harness: SelectionHarness,
+) -> None:
+    """Seqs 0-2 were published before anyone listened; the first live batch is seq 3."""
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
+        pub.start_replay_thread()
+        pub.publish(batch([block_stored([H_A], TOKENS[:4])]))
+        pub.publish(batch([block_stored([H_B], TOKENS[4:8], parent=H_A)]))
+        pub.publish(batch([block_stored([H_C], TOKENS[8:12], parent=H_B)]))
+        harness.add_worker(
+            1,
+            block_size=BLOCK_SIZE,
+            endpoints={0: pub.endpoint},
+            replay_endpoint=pub.replay_endpoint,
+        )
+        wait_connected(pub)
+        assert pub.publish(batch([block_stored([H_D], TOKENS[12:], parent=H_C)])) == 3
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (4, 4, 4)})
+        assert harness.overlap(TOKENS) == {(1, 0): (4, 4, 4)}
+
+
+def test_without_replay_endpoint_unsent_batches_are_lost(harness: SelectionHarness) -> None:
+    """Control for (d): "No replay endpoint configured; batches lost gap_size=1"."""
+    other = list(range(500, 504))
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
+        pub.start_replay_thread()
+        harness.add_worker(1, block_size=BLOCK_SIZE, endpoints={0: pub.endpoint})
+        wait_connected(pub)
+        pub.publish(batch([block_stored([H_A, H_B], TOKENS[:8])]), send=False)
+        pub.publish(batch([block_stored([H_C, H_D], TOKENS[8:], parent=H_B)]))
+        pub.publish(batch([block_stored([99], other)]))
+        assert harness.wait_for(lambda: harness.overlap(other) == {(1, 0): (1, 1, 1)})
+        assert harness.overlap(TOKENS) == {}
+
+
+def test_selection_service_ignores_seqs_after_restart_until_re_registered(
+    harness: SelectionHarness,
+) -> None:
+    """Dynamo 1.6.1 keeps its seq watermark across an engine restart and silently drops every
+    batch with seq <= the last one seen; delete_worker + upsert resets it (and the index)."""
+    with Publisher(LOCAL, bind=True) as pub:
+        harness.add_worker(1, block_size=BLOCK_SIZE, endpoints={0: pub.endpoint})
+        wait_connected(pub)
+        pub.publish(batch([block_stored([H_A], TOKENS[:4])]))
+        pub.publish(batch([block_stored([H_B], TOKENS[4:8], parent=H_A)]))
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (2, 2, 2)})
+
+        pub.restart()
+        assert pub.publish(batch([{"type": "AllBlocksCleared"}])) == 0  # dropped: seq 0 <= 1
+        assert pub.publish(batch([block_stored([H_C], TOKENS[8:12], parent=H_B)])) == 1  # dropped
+        assert pub.publish(batch([block_removed([H_B])])) == 2  # applied: 2 > 1
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (1, 1, 1)})
+        assert harness.overlap(TOKENS) == {(1, 0): (1, 1, 1)}
+
+        assert harness.remove_worker(1)["lifecycle"] == "unschedulable"
+        assert harness.overlap(TOKENS) == {}
+        harness.add_worker(1, block_size=BLOCK_SIZE, endpoints={0: pub.endpoint})
+        wait_connected(pub)
+        pub.restart()
+        assert pub.publish(batch([block_stored([H_A, H_B], TOKENS[:8])])) == 0
+        assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (2, 2, 2)})
+        assert harness.overlap(TOKENS) == {(1, 0): (2, 2, 2)}
