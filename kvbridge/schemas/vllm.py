@@ -158,17 +158,22 @@ LAYOUTS: Final[tuple[Layout, ...]] = (
 """Every distinct layout, oldest first. Each adds fields at the end of the previous one."""
 
 
+_RELEASE = re.compile(r"^v?(\d+(?:\.\d+)*)")
+
+
 def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) if part.isdigit() else 10**6 for part in version.split("."))
+    match = _RELEASE.match(version.strip())
+    if match is None:
+        raise ValueError(f"not a vLLM release: {version!r}")
+    return tuple(int(part) for part in match[1].split("."))
 
 
 def layout_for(release: str) -> Layout:
-    """The layout a given vLLM release publishes, e.g. ``layout_for("0.21.0")``."""
+    """The layout a vLLM release publishes: that of the newest table row it is not older than
+    (``"0.21.0"``, ``"v0.25.2"``, ``"0.9.0rc1"``; releases past the table get the newest)."""
     key = _version_key(release)
     for layout in reversed(LAYOUTS):
         if key >= _version_key(layout.first):
-            if key > _version_key(layout.last) and layout is not LAYOUTS[-1]:
-                break
             return layout
     raise ValueError(f"vLLM {release} publishes no KV events (they start at 0.9.0)")
 
@@ -223,6 +228,32 @@ def _is_array(raw: msgspec.Raw) -> bool:
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
 
 
+_LAST_ARRAY_LAYOUT: Final = [layout for layout in LAYOUTS if layout.encoding == "array"][-1]
+_ARRAY_FIELDS: Final = {
+    "BlockStored": _LAST_ARRAY_LAYOUT.stored_fields,
+    "BlockRemoved": _LAST_ARRAY_LAYOUT.removed_fields,
+    "AllBlocksCleared": 0,
+}
+"""Array events never carried the map-only fields, so positions past these are unknown."""
+
+
+def _array_overflow(raw: msgspec.Raw) -> int:
+    """How many trailing positions of an array event no release defined, read from the
+    msgpack headers of the array and of its tag (a cheap look at the first bytes)."""
+    view = memoryview(raw)
+    first = view[0]
+    if first <= 0x9F:
+        length, offset = first & 0x0F, 1
+    else:
+        width = 2 if first == 0xDC else 4
+        length, offset = int.from_bytes(view[1 : 1 + width], "big"), 1 + width
+    if offset >= len(view) or not 0xA0 <= view[offset] <= 0xBF:
+        return 0  # no fixstr tag: msgspec reports the error
+    tag = bytes(view[offset + 1 : offset + 1 + (view[offset] & 0x1F)]).decode("utf-8", "replace")
+    known = _ARRAY_FIELDS.get(tag)
+    return 0 if known is None else max(0, length - 1 - known)
+
+
 def _count_unknown(raw: msgspec.Raw, tag: str) -> int:
     """Slow path only: how many positions or keys of one event this table does not know."""
     generic = _GENERIC.decode(raw)
@@ -260,6 +291,10 @@ def _field_error(index: int, raw: msgspec.Raw, error: Exception) -> SchemaError:
 
 def _decode_event(index: int, raw: msgspec.Raw) -> tuple[Event, int]:
     array = _is_array(raw)
+    if array and (overflow := _array_overflow(raw)):
+        trimmed = _GENERIC.decode(raw)[: -overflow or None]
+        event, _ = _decode_event(index, msgspec.Raw(msgspec.msgpack.encode(trimmed)))
+        return event, overflow
     try:
         return _STRICT[array].decode(raw), 0
     except msgspec.ValidationError as strict_error:
