@@ -21,6 +21,7 @@ from kvbridge.adapters.capture import CaptureError, CaptureReader, CaptureWriter
 from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.metrics import serve_metrics
 from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.validation import Report, render_text, validate_captures
 from kvbridge.adapters.watch import WatchView
 from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, StreamReset, Subscriber
 from kvbridge.normalizers import Normalizer
@@ -221,6 +222,21 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    _serve_metrics(args)
+    if args.json_schema:
+        print(msgspec.json.format(msgspec.json.encode(msgspec.json.schema(Report))).decode())
+        return 0
+    if not args.captures:
+        raise _UsageError("give at least one capture")
+    report = validate_captures(args.captures, strict=args.strict, block_size=args.block_size)
+    if args.format == "json":
+        print(msgspec.json.format(msgspec.json.encode(report)).decode())
+    else:
+        print(render_text(report))
+    return 0 if report.valid else 1
+
+
 def _schema(args: argparse.Namespace) -> int:
     _serve_metrics(args)
     print(msgspec.json.format(msgspec.json.encode(json_schema()), indent=2).decode())
@@ -321,6 +337,24 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval", type=_positive_float, default=1.0, metavar="S")
     watch.add_argument("--duration", type=_positive_float, help="stop after S seconds")
     watch.set_defaults(run=_watch)
+
+    validate = commands.add_parser(
+        "validate",
+        parents=[common],
+        help="decode and normalize every frame of captures; exit 1 if any is invalid",
+    )
+    validate.add_argument("captures", nargs="*", metavar="CAPTURE")
+    validate.add_argument("--format", choices=("text", "json"), default="text")
+    validate.add_argument(
+        "--strict",
+        action="store_true",
+        help="also fail on unknown fields and on blocks that would not be forwarded",
+    )
+    validate.add_argument("--block-size", type=_positive_int, help="the workers' block size")
+    validate.add_argument(
+        "--json-schema", action="store_true", help="print the JSON Schema of the JSON report"
+    )
+    validate.set_defaults(run=_validate)
 
     schema = commands.add_parser(
         "schema", parents=[common], help="print the JSON Schema of every vLLM layout and Dynamo's"

@@ -1,0 +1,201 @@
+"""``kvbridge validate``: check recorded streams against the schemas, frame by frame.
+
+Every frame of every capture is decoded and normalized exactly as the relay would. A frame that
+cannot be decoded is a problem; with ``strict``, so are unknown fields (the engine sends
+something this kvbridge does not know yet) and blocks the normalizer would not forward. Each
+problem names the capture, the record, the stream, the sequence number and, where it lies inside
+an event, the event index and the field.
+
+The JSON report is a :class:`Report`; ``kvbridge validate --json-schema`` prints its schema.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final
+
+import msgspec
+from msgspec.structs import replace
+
+from kvbridge.adapters.capture import CaptureReader, FrameRecord
+from kvbridge.normalizers import DropReason, Normalizer
+from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
+
+__all__ = ["Problem", "Report", "render_text", "validate_captures"]
+
+REFERENCE_COUNTING: Final = frozenset((DropReason.DUPLICATE_STORE, DropReason.STILL_REFERENCED))
+"""Not forwarded, yet nothing is lost: a copy stays counted. Never a problem, even strict."""
+
+
+class Problem(msgspec.Struct, omit_defaults=True):
+    """One frame that failed validation."""
+
+    capture: str
+    record: int
+    """Index of the frame record in its capture, from 0."""
+    stream: str
+    worker_id: int
+    reason: str
+    """``frame_count``, ``bad_seq``, ``schema``; strict also ``unknown_field`` and drop reasons."""
+    message: str
+    seq: int | None = None
+    event_index: int | None = None
+    field: str | None = None
+    count: int = 1
+    """Blocks or fields concerned, for strict-mode reasons."""
+
+
+class Report(msgspec.Struct):
+    """The outcome of validating one or more captures."""
+
+    valid: bool
+    strict: bool
+    captures: list[str]
+    frames: int
+    events: int
+    invalid_frames: int
+    problems: list[Problem]
+    summary: dict[str, int]
+    """Problems by reason."""
+    dropped: dict[str, int]
+    """Blocks not forwarded, by reason, over all frames (reported whether strict or not)."""
+    unknown_fields: int
+
+
+class _Stream:
+    """Normalizer state of one worker across the frames of the captures."""
+
+    def __init__(self, worker_id: int, block_size: int | None) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.normalizer: Normalizer | None = None
+
+    def normalize(self, batch: VllmBatch, seq: int | None) -> Counter[str]:
+        """Normalize a batch; returns what it added to the drop counters."""
+        if self.normalizer is None:
+            size = self.block_size or _block_size_of(batch)
+            if size is None:
+                return Counter()  # nothing indexable yet: wait for a store with tokens
+            self.normalizer = Normalizer(self.worker_id, size)
+        before = self.normalizer.stats
+        self.normalizer.normalize(batch, seq)
+        after = self.normalizer.stats
+        after.subtract(before)
+        return +after
+
+
+def _block_size_of(batch: VllmBatch) -> int | None:
+    for event in batch.events:
+        if isinstance(event, BlockStored) and event.token_ids and event.block_size:
+            return event.block_size
+    return None
+
+
+def _check_frames(record: FrameRecord) -> tuple[str, str] | None:
+    if len(record.frames) != 3:
+        return "frame_count", f"expected 3 frames, got {len(record.frames)}"
+    if len(record.frames[1]) != 8:
+        return "bad_seq", f"sequence frame has {len(record.frames[1])} bytes, expected 8"
+    return None
+
+
+def validate_captures(
+    paths: Iterable[str | Path], *, strict: bool = False, block_size: int | None = None
+) -> Report:
+    """Validate captures. Without ``block_size`` each worker's is taken from the capture's
+    ``meta["block_size"]`` or from its first store with tokens."""
+    problems: list[Problem] = []
+    dropped: Counter[str] = Counter()
+    frames = events = unknown = 0
+    invalid: set[tuple[str, int]] = set()
+    names = []
+    for path in paths:
+        reader = CaptureReader(path)
+        name = str(path)
+        names.append(name)
+        size = block_size or reader.meta.get("block_size")
+        streams: dict[int, _Stream] = {}
+        for index, record in enumerate(reader):
+            frames += 1
+            stream = streams.setdefault(record.worker_id, _Stream(record.worker_id, size))
+            where = Problem(name, index, record.stream, record.worker_id, "", "", seq=record.seq)
+            framing = _check_frames(record)
+            if framing is not None:
+                problems.append(replace(where, reason=framing[0], message=framing[1]))
+                invalid.add((name, index))
+                continue
+            try:
+                batch = decode_batch(record.frames[2])
+            except SchemaError as error:
+                problems.append(
+                    replace(
+                        where,
+                        reason="schema",
+                        message=str(error),
+                        event_index=error.event_index,
+                        field=error.field,
+                    )
+                )
+                invalid.add((name, index))
+                continue
+            events += len(batch.events)
+            unknown += batch.unknown_fields
+            drops = stream.normalize(batch, record.seq)
+            dropped.update(drops)
+            if not strict:
+                continue
+            if batch.unknown_fields:
+                message = f"{batch.unknown_fields} unknown field(s) ignored"
+                problems.append(
+                    replace(
+                        where,
+                        reason=DropReason.UNKNOWN_FIELD,
+                        message=message,
+                        count=batch.unknown_fields,
+                    )
+                )
+                invalid.add((name, index))
+            for reason, count in sorted(drops.items()):
+                if reason in REFERENCE_COUNTING or reason == DropReason.UNKNOWN_FIELD:
+                    continue
+                message = f"{count} block(s) not forwarded: {reason}"
+                problems.append(replace(where, reason=reason, message=message, count=count))
+                invalid.add((name, index))
+    summary = Counter(problem.reason for problem in problems)
+    return Report(
+        valid=not problems,
+        strict=strict,
+        captures=names,
+        frames=frames,
+        events=events,
+        invalid_frames=len(invalid),
+        problems=problems,
+        summary=dict(sorted(summary.items())),
+        dropped=dict(sorted(dropped.items())),
+        unknown_fields=unknown,
+    )
+
+
+def render_text(report: Report) -> str:
+    """The human-readable report: one line per problem, then the summary."""
+    lines = []
+    for problem in report.problems:
+        seq = "-" if problem.seq is None else problem.seq
+        lines.append(
+            f"{problem.capture}: record {problem.record}, stream {problem.stream}, "
+            f"worker {problem.worker_id}, seq {seq}: [{problem.reason}] {problem.message}"
+        )
+    verdict = "valid" if report.valid else "INVALID"
+    mode = " (strict)" if report.strict else ""
+    lines.append(
+        f"{verdict}{mode}: {report.frames} frames, {report.events} events, "
+        f"{report.invalid_frames} invalid frames in {len(report.captures)} capture(s)"
+    )
+    for reason, count in report.summary.items():
+        lines.append(f"  {reason}: {count}")
+    if report.dropped:
+        not_forwarded = ", ".join(f"{k}={v}" for k, v in report.dropped.items())
+        lines.append(f"  not forwarded (blocks): {not_forwarded}")
+    return "\n".join(lines)
