@@ -61,7 +61,7 @@ def test_one_corrupted_frame_is_named(tmp_path: Path) -> None:
 
 
 def test_json_report_follows_its_schema(tmp_path: Path) -> None:
-    frames = list(CaptureReader(SAMPLE))[0].frames
+    frames = next(iter(CaptureReader(SAMPLE))).frames
     bad = encode_batch(
         VllmBatch(1.0, [BlockStored([1, 2, 3], None, list(range(8)), 4, None, "GPU", None)], 0),
         layout_for("0.32.0"),
@@ -107,7 +107,7 @@ def test_json_report_follows_its_schema(tmp_path: Path) -> None:
 def test_strict_fails_on_drops_and_unknown_fields(
     tmp_path: Path, medium: str, extra: bool, strict_reason: str
 ) -> None:
-    frames = list(CaptureReader(SAMPLE))[0].frames
+    frames = next(iter(CaptureReader(SAMPLE))).frames
     event = BlockStored([9], None, [1, 2, 3, 4], 4, None, medium, None)
     payload = msgspec.msgpack.decode(encode_batch(VllmBatch(1.0, [event], 0), layout_for("0.32.0")))
     if extra:
