@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+
+from kvbridge.schemas.vllm import LAYOUTS
 
 
 def kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
@@ -36,7 +39,7 @@ def test_demo_indexes_the_bundled_sample() -> None:
     [
         (
             ["demo", "--block-size", "0"],
-            "kvbridge demo: error: argument --block-size: must be positive: '0'",
+            "kvbridge demo: error: argument --block-size: must be at least 1: '0'",
         ),
         (
             ["demo", "--block-size", "x"],
@@ -44,7 +47,7 @@ def test_demo_indexes_the_bundled_sample() -> None:
         ),
         (
             ["frobnicate"],
-            "kvbridge: error: argument command: invalid choice: 'frobnicate' (choose from 'demo')",
+            "kvbridge: error: argument command: invalid choice: 'frobnicate' (choose from 'demo', 'relay', 'record', 'replay', 'watch', 'validate', 'schema')",
         ),
         (
             ["demo", "--log-format", "xml"],
@@ -56,6 +59,87 @@ def test_bad_argument_is_one_line_and_exit_2(args: list[str], message: str) -> N
     result = kvbridge(*args)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [message]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            [
+                "relay",
+                "--source",
+                "tcp://*:1",
+                "--source-replay",
+                "tcp://*:2",
+                "--source-replay",
+                "tcp://*:3",
+                "--publish",
+                "tcp://127.0.0.1:4",
+                "--block-size",
+                "16",
+            ],
+            "kvbridge relay: error: give --source-replay once per --source, or not at all",
+        ),
+        (
+            ["relay", "--source", "tcp://*:1", "--publish", "tcp://127.0.0.1:4"],
+            "kvbridge relay: error: the following arguments are required: --block-size",
+        ),
+        (
+            ["record", "--source", "tcp://*:1", "--worker-id", "-1", "--out", "x.kvcap"],
+            "kvbridge record: error: argument --worker-id: must be at least 0: '-1'",
+        ),
+        (
+            [
+                "relay",
+                "--source",
+                "tcp://*:1",
+                "--publish",
+                "tcp://127.0.0.1:4",
+                "--block-size",
+                "16",
+                "--metrics-port",
+                "70000",
+            ],
+            "kvbridge relay: error: argument --metrics-port: not a port number: '70000'",
+        ),
+        (
+            ["replay", "x.kvcap", "--publish", "tcp://*:1", "--pace", "fast"],
+            "kvbridge replay: error: argument --pace: invalid choice: 'fast' (choose from 'original', 'max')",
+        ),
+        (["validate"], "kvbridge validate: error: give at least one capture"),
+    ],
+)
+def test_bad_subcommand_argument_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = kvbridge(*args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [message]
+
+
+def test_schema_exports_every_layout_and_dynamo() -> None:
+    result = kvbridge("schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert list(schema["vllm"]) == [layout.releases for layout in LAYOUTS]
+    array = schema["vllm"]["0.22.0-0.23.x"]["$defs"]["BlockStored"]
+    assert array["type"] == "array"
+    assert len(array["prefixItems"]) == 12
+    tagged = schema["vllm"]["0.33.0"]["$defs"]["BlockStored"]
+    assert tagged["type"] == "object"
+    assert "lookahead_token_ids" in tagged["properties"]
+    assert tagged["required"] == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
+    assert schema["dynamo"]["KvCacheEvent"]["$defs"]["KvCacheEvent"]["required"] == [
+        "event_id",
+        "data",
+    ]
 
 
 def test_unreadable_capture_is_one_line_and_exit_1(tmp_path: object) -> None:

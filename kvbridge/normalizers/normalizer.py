@@ -99,6 +99,15 @@ class _Rank:
         block = self.blocks.get(engine_hash)
         return block if block is not None else self.retired.get(engine_hash)
 
+    def revive(self, engine_hash: int) -> _Block | None:
+        """Look a block up for a store: one that had left every tier becomes live again."""
+        block = self.blocks.get(engine_hash)
+        if block is None:
+            block = self.retired.pop(engine_hash, None)
+            if block is not None:
+                self.blocks[engine_hash] = block
+        return block
+
     def resident(self, canonical: int) -> bool:
         return any(canonical in refs for refs in self.refs)
 
@@ -249,7 +258,7 @@ class Normalizer:
         if event.is_placeholder:
             blocks = []
             for engine_hash in event.block_hashes:
-                block = rank.lookup(engine_hash_u64(engine_hash))
+                block = rank.revive(engine_hash_u64(engine_hash))
                 if block is None:
                     reason = DropReason.UNRESOLVED_PLACEHOLDER
                     self._drop("stored", tier, reason, 1, medium=event.medium)
@@ -273,34 +282,40 @@ class Normalizer:
         self._make_resident(rank, dp_rank, event_id, tier, blocks, out)
 
     def _canonical_blocks(self, rank: _Rank, event: BlockStored) -> list[_Block] | None:
-        """Hash the event's blocks canonically and remember them by engine hash."""
+        """Hash the event's blocks canonically and remember them by engine hash.
+
+        A block whose engine hash is already known keeps its canonical identity: an offload
+        tier's copy of a GPU block carries no extra keys (no salt, no multimodal hashes), so
+        hashing it again would mis-hash it and leave the GPU block's removal unmatched.
+        """
+        lora_name = event.lora_name or None
         if event.parent_block_hash is None:
-            parent = None
-            salt = _cache_salt(event)
+            parent, salt = None, _cache_salt(event)
         else:
             parent_block = rank.lookup(engine_hash_u64(event.parent_block_hash))
             if parent_block is None:
                 return None
-            parent = parent_block.canonical
-            salt = parent_block.cache_salt
-        lora_name = event.lora_name or None
-        seed = self._seed(lora_name, salt)
-        size = self.block_size
-        width = size * 4
-        packed = pack_tokens(event.token_ids[: len(event.block_hashes) * size])
+            parent, salt = parent_block.canonical, parent_block.cache_salt
+            lora_name = lora_name or parent_block.lora_name
+        width = self.block_size * 4
+        packed = pack_tokens(event.token_ids[: len(event.block_hashes) * self.block_size])
         extra_keys = event.extra_keys
         blocks = []
         for index, engine_hash in enumerate(event.block_hashes):
-            tokens = packed[index * width : (index + 1) * width]
-            mm = _mm_hashes(extra_keys[index]) if extra_keys and index < len(extra_keys) else ()
-            content = tokens_hash(tokens, seed, mm)
-            canonical = sequence_hash(parent, content)
-            block = _Block(canonical, content, parent, tokens, lora_name, salt)
             key = engine_hash_u64(engine_hash)
-            rank.blocks[key] = block
-            rank.retired.pop(key, None)
+            block = rank.revive(key)
+            if block is None:
+                tokens = packed[index * width : (index + 1) * width]
+                keys = extra_keys[index] if extra_keys and index < len(extra_keys) else None
+                content = tokens_hash(tokens, self._seed(lora_name, salt), _mm_hashes(keys))
+                canonical = sequence_hash(parent, content)
+                block = rank.blocks[key] = _Block(
+                    canonical, content, parent, tokens, lora_name, salt
+                )
+            else:
+                salt, lora_name = block.cache_salt, block.lora_name
             blocks.append(block)
-            parent = canonical
+            parent = block.canonical
         return blocks
 
     def _make_resident(
@@ -410,7 +425,7 @@ def _cache_salt(event: BlockStored) -> str | None:
         return None
     lora_seen = event.lora_name is None
     for key in event.extra_keys[0]:
-        if not isinstance(key, str):
+        if not isinstance(key, str) or _is_digest(key):
             continue
         if not lora_seen and key == event.lora_name:
             lora_seen = True
@@ -419,20 +434,24 @@ def _cache_salt(event: BlockStored) -> str | None:
     return None
 
 
+def _is_digest(key: str) -> bool:
+    """A 64-hex-digit multimodal digest: vLLM up to 0.18 puts it bare into the extra keys."""
+    return len(key) == 64 and all(char in "0123456789abcdefABCDEF" for char in key)
+
+
 def _mm_hashes(keys: list[Any] | None) -> list[int]:
     """The multimodal object hashes among one block's extra keys, as Dynamo derives them: a
-    hex digest by its first 16 hex digits, any other identifier by its XXH3-64."""
+    hex digest by its first 16 hex digits, any other identifier by its XXH3-64. The key is an
+    ``(identifier, offset)`` pair from vLLM 0.19, a bare digest before."""
     if not keys:
         return []
     hashes = []
     for key in keys:
-        if isinstance(key, list | tuple) and key and isinstance(key[0], str):
+        if isinstance(key, str) and _is_digest(key):
+            hashes.append(int(key[:16], 16))
+        elif isinstance(key, list | tuple) and key and isinstance(key[0], str):
             identifier = key[0]
-            try:
-                digest = int(identifier[:16], 16) if len(identifier) == 64 else None
-            except ValueError:
-                digest = None
-            hashes.append(_xxh(identifier) if digest is None else digest)
+            hashes.append(int(identifier[:16], 16) if _is_digest(identifier) else _xxh(identifier))
     return hashes
 
 
