@@ -1,0 +1,250 @@
+"""Deterministic vLLM-like worker streams, sent both to a real SelectionService and to kvbridge.
+
+A :class:`Engine` stands for one vLLM engine's hashing: a block's hash is a SHA-256 chain over
+the tokens (``digest_i = sha256(digest_{i-1} || LE u32 tokens_i)``, seeded per engine), sent as
+the last 8 bytes of the digest read big-endian, exactly how vLLM turns its digests into the
+u64 it publishes (vllm-kv-events.md 6.2), or as the raw 32-byte digest.
+
+A :class:`WorkerStream` owns one :class:`~kvbridge.adapters.publisher.Publisher` per dp rank,
+registers the worker with a :class:`~support.selection.SelectionHarness`, and sends every batch
+twice from the *same bytes*: over ZMQ to the service, and through
+``decode_batch`` → ``Normalizer.normalize`` → ``TieredIndex.apply``. :meth:`WorkerStream.sync`
+publishes a sentinel chain (GPU → CPU → DISK) on each rank and waits until the service reports
+it, so every batch published before it on that rank has been applied on every tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from kvbridge import Normalizer, TieredIndex, decode_batch
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.schemas.vllm import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    VllmBatch,
+    encode_batch,
+    layout_for,
+)
+from support.selection import Overlap, SelectionHarness, wait_connected
+
+__all__ = ["Chain", "Engine", "WorkerStream", "kvbridge_overlap"]
+
+LOCAL = "tcp://127.0.0.1:0"
+SYNC_TIMEOUT_S = 5.0
+_TS0 = 1_700_000_000.0
+_SENTINEL_BASE = 3_000_000_000
+"""Sentinel tokens live far above every prompt token (still u32)."""
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return b"".join(token.to_bytes(4, "little") for token in tokens)
+
+
+class Engine:
+    """One engine's block hashing. Engines with the same ``seed`` hash identical prefixes
+    identically (vLLM >= 0.29 with sha256, or a shared ``PYTHONHASHSEED``)."""
+
+    def __init__(self, seed: bytes = b"vllm-none-hash") -> None:
+        self.seed = seed
+
+    def digests(
+        self, tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None
+    ) -> list[bytes]:
+        """The 32-byte digest of every full block. A salt enters the first block's hash."""
+        parent = hashlib.sha256(self.seed).digest()
+        out: list[bytes] = []
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            extra = cache_salt.encode() if cache_salt and not out else b""
+            parent = hashlib.sha256(
+                parent + _tokens_bytes(tokens[start : start + block_size]) + extra
+            ).digest()
+            out.append(parent)
+        return out
+
+    def chain(
+        self, tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None
+    ) -> Chain:
+        return Chain(self, list(tokens), block_size, cache_salt)
+
+
+class Chain:
+    """One prompt as one engine sees it: tokens, per-block hashes, and event builders."""
+
+    def __init__(
+        self, engine: Engine, tokens: list[int], block_size: int, cache_salt: str | None
+    ) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.digests = engine.digests(tokens, block_size, cache_salt=cache_salt)
+        self.hashes = [int.from_bytes(digest[-8:], "big") for digest in self.digests]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def _hash(self, index: int, as_bytes: bool) -> int | bytes:
+        return self.digests[index] if as_bytes else self.hashes[index]
+
+    def prefix(self, blocks: int, extra_tokens: Sequence[int] = ()) -> list[int]:
+        """The first ``blocks`` blocks' tokens, plus ``extra_tokens``."""
+        return [*self.tokens[: blocks * self.block_size], *extra_tokens]
+
+    def stored(
+        self,
+        start: int,
+        stop: int,
+        *,
+        medium: str | None = "GPU",
+        as_bytes: bool = False,
+        parent: int | bytes | bool | None = True,
+        extra_keys: list[list[Any] | None] | None = None,
+    ) -> BlockStored:
+        """A self-describing ``BlockStored`` of blocks ``start:stop``. ``parent=True`` uses
+        this chain's previous block (nil for block 0); any other value is sent as given."""
+        if parent is True:
+            parent = None if start == 0 else self._hash(start - 1, as_bytes)
+        elif parent is False:
+            parent = None
+        if extra_keys is None and self.cache_salt and start == 0:
+            # vLLM publishes the raw salt, untagged, on the first block only (facts 7.3).
+            extra_keys = [[self.cache_salt]] + [None] * (stop - start - 1)
+        bs = self.block_size
+        return BlockStored(
+            block_hashes=[self._hash(i, as_bytes) for i in range(start, stop)],
+            parent_block_hash=parent,
+            token_ids=self.tokens[start * bs : stop * bs],
+            block_size=bs,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            extra_keys=extra_keys,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+
+    def placeholder(self, index: int, *, medium: str = "CPU", as_bytes: bool = False) -> Event:
+        """An OffloadingConnector placeholder store: the chunk's (here: one block's) hash,
+        no tokens, block_size 0, no parent (vllm-kv-events.md 9)."""
+        return BlockStored(
+            block_hashes=[self._hash(index, as_bytes)],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium=medium,
+            group_idx=0,
+        )
+
+    def evicted(self, *indices: int, medium: str = "GPU", as_bytes: bool = False) -> list[Event]:
+        """GPU evictions: one ``BlockRemoved`` per hash, in the order given."""
+        return [
+            BlockRemoved([self._hash(i, as_bytes)], medium=medium, group_idx=0) for i in indices
+        ]
+
+    def removed(self, *indices: int, medium: str = "CPU", as_bytes: bool = False) -> Event:
+        """An offload tier's removal: several hashes in one event."""
+        return BlockRemoved([self._hash(i, as_bytes) for i in indices], medium=medium, group_idx=0)
+
+
+def kvbridge_overlap(index: TieredIndex, tokens: Sequence[int], **kwargs: Any) -> Overlap:
+    """The TieredIndex's overlap in the same shape (all-zero entries left out)."""
+    return {
+        key: (o.device, o.host_pinned, o.disk)
+        for key, o in index.overlap(tokens, **kwargs).items()
+        if o.device or o.host_pinned or o.disk
+    }
+
+
+class WorkerStream:
+    """One worker: a Publisher per dp rank, registered with the service, and a Normalizer."""
+
+    def __init__(
+        self,
+        harness: SelectionHarness,
+        index: TieredIndex,
+        worker_id: int,
+        block_size: int,
+        *,
+        ranks: Sequence[int] = (0,),
+        release: str = "0.32.0",
+        releases: dict[int, str] | None = None,
+    ) -> None:
+        self.harness = harness
+        self.index = index
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.layouts = {rank: layout_for((releases or {}).get(rank, release)) for rank in ranks}
+        self.normalizer = Normalizer(worker_id, block_size)
+        self.publishers: dict[int, Publisher] = {}
+        self._sentinels = 0
+        try:
+            for rank in ranks:
+                self.publishers[rank] = Publisher(LOCAL, bind=True)
+            harness.add_worker(
+                worker_id,
+                block_size=block_size,
+                endpoints={rank: pub.endpoint for rank, pub in self.publishers.items()},
+            )
+            for pub in self.publishers.values():
+                wait_connected(pub)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, events: Iterable[Event], rank: int = 0) -> int:
+        """Publish one batch on ``rank``'s publisher and feed the same bytes to kvbridge."""
+        pub = self.publishers[rank]
+        seq = pub.next_seq
+        payload = encode_batch(VllmBatch(_TS0 + seq, list(events), rank), self.layouts[rank])
+        assert pub.publish(payload) == seq
+        self.index.apply(self.normalizer.normalize(decode_batch(payload), seq))
+        return seq
+
+    def clear(self, rank: int = 0) -> int:
+        return self.send([AllBlocksCleared()], rank)
+
+    def sync(self) -> None:
+        """Publish a fresh sentinel chain on every rank (1 GPU block, then 1 CPU and 1 DISK
+        block chained to it) and wait until the service reports (1, 2, 3) for it."""
+        self._sentinels += 1
+        targets = []
+        for rank in self.publishers:
+            token = _SENTINEL_BASE + self.worker_id * 100_000 + rank * 10_000 + self._sentinels
+            chain = Engine(b"sentinel").chain([token] * (3 * self.block_size), self.block_size)
+            self.send(
+                [
+                    chain.stored(0, 1),
+                    chain.stored(1, 2, medium="CPU"),
+                    chain.stored(2, 3, medium="DISK"),
+                ],
+                rank,
+            )
+            targets.append((chain.tokens, (self.worker_id, rank)))
+        for tokens, key in targets:
+
+            def indexed(tokens: list[int] = tokens, key: tuple[int, int] = key) -> bool:
+                return self.harness.overlap(tokens).get(key) == (1, 2, 3)
+
+            ok = self.harness.wait_for(indexed, SYNC_TIMEOUT_S)
+            assert ok, f"sentinel of {key} not indexed: {self.harness.overlap(tokens)}"
+
+    def close(self) -> None:
+        for pub in self.publishers.values():
+            pub.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
