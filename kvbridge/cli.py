@@ -408,12 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
-    except (_UsageError, ValueError) as error:
-        print(f"kvbridge {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except (CaptureError, OSError, zmq.ZMQError, RuntimeError) as error:
         print(f"kvbridge {args.command}: error: {error}", file=sys.stderr)
         return 1
+    except (_UsageError, ValueError) as error:
+        print(f"kvbridge {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -94,15 +94,19 @@ class StreamReset(msgspec.Struct, frozen=True):
 
 
 class _Stream:
-    __slots__ = ("dealer", "last", "replayed_through", "socket", "source")
+    __slots__ = ("dealer", "last", "live_last", "replayed_through", "socket", "source")
 
     def __init__(self, source: Source, socket: zmq.Socket[bytes]) -> None:
         self.source = source
         self.socket = socket
         self.dealer: zmq.Socket[bytes] | None = None
         self.last: int | None = None
+        """Highest sequence delivered, live or through a replay."""
+        self.live_last = -1
+        """Highest sequence received live."""
         self.replayed_through = -1
-        """Highest sequence a replay delivered: live copies up to it are duplicates."""
+        """Highest sequence a replay delivered. A live message above ``live_last`` and up to
+        this is a late copy of a replayed batch; anything else that goes back is a restart."""
 
 
 class Subscriber:
@@ -204,24 +208,26 @@ class Subscriber:
         out: list[Message | StreamReset] = []
         last = stream.last
         if last is not None and seq <= last:
-            if seq <= stream.replayed_through:
+            if stream.live_last < seq <= stream.replayed_through:
                 self.stats["duplicates"] += 1
+                stream.live_last = seq
                 return out
             self.stats["restarts"] += 1
             log.warning("publisher restarted", stream=stream.source.endpoint, seq=seq, last=last)
             out.append(StreamReset(stream.source, "restart"))
             stream.last, last = None, None
-            stream.replayed_through = -1
+            stream.live_last = stream.replayed_through = -1
         expected = 0 if last is None else last + 1
         if seq > expected:
             if last is not None:
                 self.stats["gaps"] += 1
                 log.info("gap detected", stream=stream.source.endpoint, expected=expected, seq=seq)
             out.extend(self._recover(stream, expected, seq))
+            stream.live_last = seq
             if stream.last is not None and seq <= stream.last:
                 self.stats["duplicates"] += 1
                 return out  # the replay already delivered this one
-        stream.last = seq
+        stream.last = stream.live_last = seq
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
 

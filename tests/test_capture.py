@@ -1,0 +1,324 @@
+"""``.kvcap`` captures: the file format, its errors, and ``kvbridge record`` / ``kvbridge replay``
+end to end as subprocesses over real sockets on 127.0.0.1 (acceptance 5).
+
+Facts: /work/shared/facts/vllm-kv-events.md sections 1 and 8.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from support.engine import Engine, free_port
+
+from kvbridge.adapters.capture import MAGIC, CaptureError, CaptureReader, CaptureWriter, FrameRecord
+from kvbridge.adapters.publisher import Publisher
+
+BS = 4
+TIMEOUT = 20.0  # subprocesses import dynamo first
+T0 = 1_700_000_000_000_000_000
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def seq8(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def kvbridge(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> str:
+    """Wait for a subprocess; return its stderr, failing on a non-zero exit."""
+    try:
+        _, stderr = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate()
+        pytest.fail(f"timed out: {process.args!r}\n{stderr}")
+    assert process.returncode == 0, stderr
+    return stderr
+
+
+def subscriber(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> zmq.Socket[bytes]:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, int(TIMEOUT * 1000))
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return sub
+
+
+# --------------------------------------------------------------------------- the file format
+
+RECORDS = [
+    FrameRecord(T0, "tcp://127.0.0.1:5557", 1, [b"", seq8(0), b"\x93\xcb..."]),
+    FrameRecord(T0 + 5, "replay:tcp://127.0.0.1:5557", 1, [b"kv", seq8(2**64 - 2), b""]),
+    FrameRecord(T0 + 9, "tcp://10.0.0.5:5557", 2**64 - 1, [b"t", b"x"]),  # 2 frames
+    FrameRecord(T0 + 9, "tcp://10.0.0.5:5557", 7, [b"", b"\x00" * 7, b"p"]),  # 7-byte seq
+    FrameRecord(T0 + 10, "s", 0, []),
+]
+
+
+def write(path: Path, records: list[FrameRecord], meta: dict[str, object] | None = None) -> None:
+    with CaptureWriter(path, meta=meta) as writer:
+        for record in records:
+            writer.write(
+                record.frames,
+                stream=record.stream,
+                worker_id=record.worker_id,
+                received_ns=record.received_ns,
+            )
+        assert writer.count == len(records)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "x.kvcap"
+    meta = {"block_size": 16, "prompts": [{"name": "p", "token_ids": [1, 2]}], "note": "é"}
+    before = time.time_ns()
+    write(path, RECORDS, meta)
+    reader = CaptureReader(path)
+    assert reader.meta == meta
+    assert before <= reader.created_ns <= time.time_ns()
+    assert list(reader) == RECORDS
+    assert list(reader) == RECORDS  # iterating twice reads the same
+    assert [record.seq for record in reader] == [0, 2**64 - 2, None, None, None]
+    assert path.read_bytes().startswith(MAGIC)
+
+
+def test_default_meta_and_receive_time(tmp_path: Path) -> None:
+    path = tmp_path / "x.kvcap"
+    before = time.time_ns()
+    with CaptureWriter(path) as writer:
+        writer.write([b"", seq8(5), b"p"], stream="s")
+    reader = CaptureReader(path)
+    assert reader.meta == {}
+    [record] = list(reader)
+    assert (record.stream, record.worker_id, record.frames, record.seq) == (
+        "s",
+        0,
+        [b"", seq8(5), b"p"],
+        5,
+    )
+    assert before <= record.received_ns <= time.time_ns()
+
+
+def record_offsets(data: bytes) -> list[int]:
+    """Where each record (length prefix) starts."""
+    offsets, offset = [], len(MAGIC)
+    while offset < len(data):
+        offsets.append(offset)
+        offset += 4 + struct.unpack_from(">I", data, offset)[0]
+    return offsets
+
+
+def test_bad_magic(tmp_path: Path) -> None:
+    path = tmp_path / "bad.kvcap"
+    path.write_bytes(b"KVCAP\x02\n" + b"\x00" * 20)
+    with pytest.raises(CaptureError, match=re.escape(f"{path}: not a kvcap file (bad magic)")):
+        CaptureReader(path)
+    empty = tmp_path / "empty.kvcap"
+    empty.write_bytes(b"")
+    with pytest.raises(CaptureError, match=re.escape(f"{empty}: not a kvcap file (bad magic)")):
+        CaptureReader(empty)
+
+
+def test_truncated_files(tmp_path: Path) -> None:
+    whole = tmp_path / "whole.kvcap"
+    write(whole, RECORDS)
+    data = whole.read_bytes()
+    last = record_offsets(data)[-1]
+
+    body = tmp_path / "body.kvcap"
+    body.write_bytes(data[:-3])
+    reader = CaptureReader(body)  # the header is intact
+    with pytest.raises(
+        CaptureError, match=re.escape(f"{body}: truncated record at byte {last + 4}")
+    ):
+        list(reader)
+
+    length = tmp_path / "length.kvcap"
+    length.write_bytes(data + b"\x00\x00")
+    with pytest.raises(
+        CaptureError, match=re.escape(f"{length}: truncated record length at byte {len(data)}")
+    ):
+        list(CaptureReader(length))
+
+    header = tmp_path / "header.kvcap"
+    header.write_bytes(data[: len(MAGIC) + 6])
+    with pytest.raises(
+        CaptureError, match=re.escape(f"{header}: truncated record at byte {len(MAGIC) + 4}")
+    ):
+        CaptureReader(header)
+
+    magic_only = tmp_path / "magic.kvcap"
+    magic_only.write_bytes(MAGIC)
+    with pytest.raises(CaptureError, match=re.escape(f"{magic_only}: unreadable header")):
+        CaptureReader(magic_only)
+
+
+def test_undecodable_record_and_unknown_version(tmp_path: Path) -> None:
+    whole = tmp_path / "whole.kvcap"
+    write(whole, RECORDS[:1])
+    data = whole.read_bytes()
+    garbage = tmp_path / "garbage.kvcap"
+    garbage.write_bytes(data + struct.pack(">I", 3) + msgspec.msgpack.encode([1, 2]))
+    reader = CaptureReader(garbage)
+    with pytest.raises(CaptureError, match=re.escape(f"{garbage}: record 1: ")):
+        list(reader)
+
+    header = msgspec.msgpack.encode({"format": "kvcap", "version": 2, "created_ns": 0})
+    future = tmp_path / "future.kvcap"
+    future.write_bytes(MAGIC + struct.pack(">I", len(header)) + header)
+    with pytest.raises(CaptureError, match=re.escape(f"{future}: unsupported capture version 2")):
+        CaptureReader(future)
+    assert issubclass(CaptureError, ValueError)
+
+
+def test_bundled_sample() -> None:
+    reader = CaptureReader(Path(str(resources.files("kvbridge") / "data" / "sample.kvcap")))
+    records = list(reader)
+    assert len(records) == 7
+    assert reader.meta["block_size"] == 4
+    assert [(r.worker_id, r.seq) for r in records] == [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_record_then_replay_byte_for_byte(
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    payloads = Engine(seed=3, block_size=BS).payloads(8)
+    payloads.insert(4, b"\xc1 not msgpack at all")  # framed right, payload malformed
+    dropped = 6  # recovered through the replay socket
+    count = len(payloads)
+    out = tmp_path / "rec.kvcap"
+
+    with Publisher(
+        "tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0", context=ctx
+    ) as publisher:
+        publisher.start_replay_thread()
+        endpoint = f"tcp://*:{publisher.endpoint.rsplit(':', 1)[1]}"
+        replay_endpoint = publisher.replay_endpoint
+        assert replay_endpoint is not None
+        recorder = kvbridge(
+            "record",
+            "--source", endpoint,
+            "--source-replay", replay_endpoint,
+            "--worker-id", "3",
+            "--out", str(out),
+            "--count", str(count),
+        )  # fmt: skip
+        try:
+            assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+            for seq, payload in enumerate(payloads):
+                assert publisher.publish(payload, send=seq != dropped) == seq
+                time.sleep(0.02)
+        finally:
+            finish(recorder)
+
+    sent = [[b"", seq8(seq), payload] for seq, payload in enumerate(payloads)]
+    reader = CaptureReader(out)
+    records = list(reader)
+    assert reader.meta == {
+        "command": "kvbridge record",
+        "sources": [
+            {
+                "endpoint": endpoint,
+                "replay_endpoint": replay_endpoint,
+                "worker_id": 3,
+                "topic": "",
+                "bind": None,
+            }
+        ],
+    }
+    assert [record.frames for record in records] == sent
+    assert [record.seq for record in records] == list(range(count))
+    assert {record.worker_id for record in records} == {3}
+    assert [record.stream for record in records[:dropped]] == [endpoint] * dropped
+    assert records[dropped].stream == f"replay:{endpoint}"
+    assert {record.stream for record in records[dropped:]} <= {endpoint, f"replay:{endpoint}"}
+    stamps = [record.received_ns for record in records]
+    assert stamps == sorted(stamps)
+
+    # Replayed at full speed to a plain SUB: the recorded frames, in order, byte for byte.
+    port = free_port()
+    sub = subscriber(ctx, port)
+    replayer = kvbridge("replay", str(out), "--publish", f"tcp://*:{port}", "--pace", "max")
+    try:
+        received = [sub.recv_multipart() for _ in range(count)]
+    finally:
+        stderr = finish(replayer)
+    assert received == [record.frames for record in records] == sent
+    assert f"messages={count}" in stderr
+
+
+def test_replay_keeps_the_original_pace(
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    path = tmp_path / "paced.kvcap"
+    gap_ns, count = 100_000_000, 6
+    records = [
+        FrameRecord(T0 + i * gap_ns, "tcp://127.0.0.1:5557", 1, [b"", seq8(i), b"p%d" % i])
+        for i in range(count)
+    ]
+    write(path, records)
+    span = (count - 1) * gap_ns / 1e9
+
+    port = free_port()
+    sub = subscriber(ctx, port)
+    replayer = kvbridge("replay", str(path), "--publish", f"tcp://*:{port}", "--pace", "original")
+    received, stamps = [], []
+    try:
+        for _ in range(count):
+            received.append(sub.recv_multipart())
+            stamps.append(time.monotonic())
+    finally:
+        finish(replayer)
+    assert received == [record.frames for record in records]
+    assert stamps[-1] - stamps[0] >= 0.9 * span
+
+
+def test_replay_of_a_corrupt_capture_fails_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.kvcap"
+    path.write_bytes(b"garbage")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli", "replay", str(path), "--publish", "tcp://*:1"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"kvbridge replay: error: {path}: not a kvcap file (bad magic)"
+    ]

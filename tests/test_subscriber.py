@@ -1,0 +1,528 @@
+"""The subscriber over real sockets on 127.0.0.1: gap replay, losses, restarts, bad frames,
+bind/connect (acceptance 2, 3, 6 and the vLLM bind rule).
+
+A :class:`Publisher` stands in for a vLLM engine; :class:`Relay` with an in-process
+``TieredIndex`` consumes it, and the result is compared with the lossless index built from the
+same payloads without any socket (``tests/support/engine.py``).
+
+Exact counters need a deterministic interleaving, so most tests publish in lock step: after each
+*delivered* batch they step the relay until it has seen that seq. A replay therefore happens
+while the publisher's ring buffer ends at the live batch that revealed the gap, and vLLM's replay
+protocol (every buffered batch from the requested seq on) returns that live batch too: each gap
+costs one replay that delivers the dropped run *plus* the live batch, whose live copy is then a
+duplicate.
+
+Facts: /work/shared/facts/vllm-kv-events.md sections 1 and 8.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from support.engine import (
+    Engine,
+    chain,
+    dump_rows,
+    free_port,
+    index_of,
+    overlaps,
+    removed,
+    stored,
+    vllm_batch,
+)
+
+from kvbridge import TieredIndex
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.zmq import Message, Source, StreamReset, Subscriber
+from kvbridge.schemas.vllm import Event
+
+BS = 4
+LOCAL = "tcp://127.0.0.1:0"
+TIMEOUT = 5.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def engine_publisher(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    *,
+    replay: bool = True,
+    buffer_steps: int = 10_000,
+    replay_topic_frame: bool = True,
+) -> tuple[Publisher, Source]:
+    """A publisher bound on 127.0.0.1 (replay thread running), and the Source vLLM's config
+    would give for it: ``tcp://*:P``, so the subscriber connects."""
+    publisher = Publisher(
+        LOCAL,
+        bind=True,
+        replay_endpoint=LOCAL if replay else None,
+        buffer_steps=buffer_steps,
+        replay_topic_frame=replay_topic_frame,
+        context=ctx,
+    )
+    if replay:
+        publisher.start_replay_thread()
+    source = Source(f"tcp://*:{port_of(publisher.endpoint)}", publisher.replay_endpoint, 1)
+    return publisher, source
+
+
+def spy(subscriber: Subscriber) -> list[Message | StreamReset]:
+    """Record everything ``subscriber.poll`` hands out, in order."""
+    seen: list[Message | StreamReset] = []
+    poll = subscriber.poll
+
+    def recording_poll(timeout_ms: int = 100) -> list[Message | StreamReset]:
+        items = poll(timeout_ms)
+        seen.extend(items)
+        return items
+
+    subscriber.poll = recording_poll  # type: ignore[method-assign]
+    return seen
+
+
+def deliver(relay: Relay, source: Source, seq: int) -> None:
+    """Step the relay until it has seen ``seq`` from ``source``."""
+    deadline = time.monotonic() + TIMEOUT
+    while relay.subscriber.last_seq(source) != seq:
+        assert time.monotonic() < deadline, f"seq {seq} never arrived"
+        relay.step(20)
+
+
+def receive(subscriber: Subscriber, count: int) -> list[Message | StreamReset]:
+    """Poll until ``count`` messages (resets not counted) have come out."""
+    items: list[Message | StreamReset] = []
+    deadline = time.monotonic() + TIMEOUT
+    while sum(isinstance(item, Message) for item in items) < count:
+        assert time.monotonic() < deadline, f"only {items} arrived"
+        items.extend(subscriber.poll(20))
+    return items
+
+
+def shape(items: list[Message | StreamReset]) -> list[tuple[object, ...]]:
+    """Items reduced to what the tests compare: (seq, replayed) or (reason, lost_batches)."""
+    return [
+        (item.seq, item.replayed) if isinstance(item, Message) else (item.reason, item.lost_batches)
+        for item in items
+    ]
+
+
+def runs_of(drops: set[int]) -> int:
+    """Runs of consecutive dropped seqs."""
+    return sum(1 for seq in drops if seq - 1 not in drops)
+
+
+def assert_same_index(index: TieredIndex, reference: TieredIndex, prompts: list[list[int]]) -> None:
+    assert dump_rows(index) == dump_rows(reference)
+    assert overlaps(index, prompts) == overlaps(reference, prompts)
+
+
+# --------------------------------------------------------------------------- 1. recovery
+
+N = 300
+
+
+@pytest.mark.parametrize("replay_topic_frame", [True, False], ids=["0.26+", "legacy"])
+def test_dropped_batches_are_replayed_and_the_index_is_lossless(
+    ctx: zmq.Context[zmq.Socket[bytes]], replay_topic_frame: bool
+) -> None:
+    engine = Engine(seed=7, block_size=BS, clear_at=150)
+    payloads = engine.payloads(N)
+    # 10% dropped, seeded; seq 0 and the last one delivered (a drop at the very end would never
+    # be noticed, and a first message past 0 is tested on its own).
+    drops = set(random.Random(2024).sample(range(1, N - 1), N // 10))
+    runs = runs_of(drops)
+    assert (len(drops), runs) == (30, 26)  # the pattern has runs longer than one
+
+    publisher, source = engine_publisher(ctx, replay_topic_frame=replay_topic_frame)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for seq, payload in enumerate(payloads):
+            assert publisher.publish(payload, send=seq not in drops) == seq
+            if seq not in drops:
+                deliver(relay, source, seq)
+        stats = dict(relay.subscriber.stats)
+        relay_stats = dict(relay.stats)
+
+    assert stats == {
+        "messages": N - len(drops),
+        "gaps": runs,
+        "replays": runs,
+        "replayed": len(drops) + runs,  # each replay also returns the live batch ...
+        "duplicates": runs,  # ... whose live copy is then skipped
+    }
+    assert relay.subscriber.stats["lost"] == 0
+    assert relay_stats == {"batches_in": N}
+
+    reference = index_of(payloads, worker_id=1, block_size=BS)
+    assert_same_index(index, reference, engine.prompts)
+    # The comparison is not vacuous: many prompts are cached, on both tiers.
+    found = overlaps(index, engine.prompts)
+    assert sum(1 for o in found if o) > 50
+    assert any(o and o[1, 0][1] > o[1, 0][0] for o in found)
+
+
+def test_gap_longer_than_the_replay_buffer_clears_the_worker(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    a, b, c = list(range(1, 17)), list(range(100, 112)), list(range(200, 208))
+    d, e, f = list(range(300, 308)), list(range(400, 404)), list(range(500, 508))
+    g, h = list(range(600, 612)), list(range(700, 704))
+    c_child = [*c, 220, 221, 222, 223]
+    ha, hb, hc, hf, hcc = (chain(p, BS) for p in (a, b, c, f, c_child))
+    batches: list[list[Event]] = [
+        [stored(ha, a), stored(hb, b)],  # 0
+        [stored(hc, c), stored(ha, a, medium="CPU")],  # 1
+        [removed([x]) for x in reversed(ha)],  # 2 lost: A leaves the GPU
+        [stored(chain(d, BS), d)],  # 3 lost
+        [removed([hb[-1]]), removed(ha, medium="CPU")],  # 4 lost: A leaves the CPU
+        [stored(chain(e, BS), e)],  # 5 lost
+        [stored(hf, f)],  # 6 dropped, still in the buffer
+        [stored(chain(g, BS), g), stored(hcc[-1:], c_child[-4:], parent=hc[-1])],  # 7
+        [removed([hf[-1]]), stored(chain(h, BS), h)],  # 8
+    ]
+    payloads = [vllm_batch(events, step) for step, events in enumerate(batches)]
+    prompts = [a, b, c, d, e, f, g, h, c_child]
+
+    publisher, source = engine_publisher(ctx, buffer_steps=2)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for seq in (0, 1):
+            publisher.publish(payloads[seq])
+            deliver(relay, source, seq)
+        assert overlaps(index, [a, b, c]) == [
+            {(1, 0): (4, 4, 4)},
+            {(1, 0): (3, 3, 3)},
+            {(1, 0): (2, 2, 2)},
+        ]
+        for seq in range(2, 7):
+            publisher.publish(payloads[seq], send=False)
+        for seq in (7, 8):
+            publisher.publish(payloads[seq])
+            deliver(relay, source, seq)
+        stats = dict(relay.subscriber.stats)
+
+    # Batches 2-5 aged out of the two-batch buffer; 6 and 7 came back through the replay.
+    assert shape(seen) == [
+        (0, False),
+        (1, False),
+        ("lost", 4),
+        (6, True),
+        (7, True),
+        (8, False),
+    ]
+    assert stats == {
+        "messages": 4,
+        "gaps": 1,
+        "replays": 1,
+        "replayed": 2,
+        "duplicates": 1,
+        "lost": 4,
+    }
+    # Nothing stale: A, removed in lost batches, is gone, and so is everything else stored
+    # before the loss; the index is the one the batches after the loss point build alone.
+    after_loss = index_of(payloads[6:], worker_id=1, block_size=BS)
+    assert_same_index(index, after_loss, prompts)
+    assert overlaps(index, prompts) == [
+        {},
+        {},
+        {},
+        {},
+        {},
+        {(1, 0): (1, 1, 1)},  # F: its last block was removed in batch 8
+        {(1, 0): (3, 3, 3)},
+        {(1, 0): (1, 1, 1)},
+        {},  # C's child: its parent was cleared with the rest, so it is an orphan
+    ]
+
+
+def test_first_message_past_zero_replays_from_zero(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    engine = Engine(seed=11, block_size=BS)
+    payloads = engine.payloads(7)
+    publisher, source = engine_publisher(ctx)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for seq in range(5):
+            publisher.publish(payloads[seq], send=False)
+        for seq in (5, 6):
+            publisher.publish(payloads[seq])
+            deliver(relay, source, seq)
+        stats = dict(relay.subscriber.stats)
+
+    assert shape(seen) == [*((seq, True) for seq in range(6)), (6, False)]
+    assert stats == {"messages": 2, "replays": 1, "replayed": 6, "duplicates": 1}
+    assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), engine.prompts)
+    assert any(overlaps(index, engine.prompts))
+
+
+def test_first_message_past_zero_without_replay_is_a_loss(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(seed=12, block_size=BS)
+    payloads = engine.payloads(5)
+    publisher, source = engine_publisher(ctx, replay=False)
+    assert source.replay_endpoint is None
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for seq in range(3):
+            publisher.publish(payloads[seq], send=False)
+        for seq in (3, 4):
+            publisher.publish(payloads[seq])
+            deliver(relay, source, seq)
+        stats = dict(relay.subscriber.stats)
+
+    assert shape(seen) == [("lost", 3), (3, False), (4, False)]
+    assert stats == {"messages": 2, "lost": 3}
+    after_loss = index_of(payloads[3:], worker_id=1, block_size=BS)
+    assert_same_index(index, after_loss, engine.prompts)
+
+
+def test_replay_socket_that_never_answers_times_out_into_a_loss(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    payloads = [vllm_batch([stored(chain([i] * 4, BS), [i] * 4)], i) for i in range(4)]
+    publisher, served = engine_publisher(ctx, replay=False)
+    source = Source(served.endpoint, f"tcp://127.0.0.1:{free_port()}", 1)  # nobody serves it
+    with publisher, Subscriber([source], context=ctx, replay_timeout=0.3) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(payloads[0])
+        assert shape(receive(subscriber, 1)) == [(0, False)]
+        publisher.publish(payloads[1], send=False)
+        publisher.publish(payloads[2])
+        started = time.monotonic()
+        items = receive(subscriber, 1)
+        waited = time.monotonic() - started
+        publisher.publish(payloads[3])
+        items += receive(subscriber, 1)
+        stats = dict(subscriber.stats)
+
+    assert shape(items) == [("lost", 1), (2, False), (3, False)]
+    assert items[0] == StreamReset(source, "lost", 1)
+    assert [item.payload for item in items[1:] if isinstance(item, Message)] == payloads[2:]
+    assert stats == {"messages": 3, "gaps": 1, "replays": 1, "replay_timeouts": 1, "lost": 1}
+    assert waited >= 0.3
+
+
+# --------------------------------------------------------------------------- 2. restart
+
+
+def test_restart_clears_the_worker_at_the_first_new_message(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    a, b, c, d = (list(range(k * 100, k * 100 + 12)) for k in range(1, 5))
+    before = [vllm_batch([stored(chain(p, BS), p)], i) for i, p in enumerate((a, b))]
+    after = [vllm_batch([stored(chain(p, BS), p)], 10 + i) for i, p in enumerate((c, d))]
+    publisher, source = engine_publisher(ctx)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for payload in before:
+            deliver(relay, source, publisher.publish(payload))
+        assert overlaps(index, [a, b]) == [{(1, 0): (3, 3, 3)}] * 2
+
+        publisher.restart()
+        assert publisher.publish(after[0]) == 0
+        deliver(relay, source, 0)
+        # One message after the restart, the old blocks are gone and the new ones indexed.
+        assert relay.subscriber.stats["restarts"] == 1
+        assert overlaps(index, [a, b, c]) == [{}, {}, {(1, 0): (3, 3, 3)}]
+
+        deliver(relay, source, publisher.publish(after[1]))
+        stats = dict(relay.subscriber.stats)
+
+    assert shape(seen) == [(0, False), (1, False), ("restart", 0), (0, False), (1, False)]
+    assert stats == {"messages": 4, "restarts": 1}
+    assert_same_index(index, index_of(after, worker_id=1, block_size=BS), [a, b, c, d])
+
+
+def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    engine = Engine(seed=5, block_size=BS)
+    payloads = engine.payloads(5)
+    publisher, source = engine_publisher(ctx)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        deliver(relay, source, publisher.publish(payloads[0]))
+        # Batch 1 dropped, then 2-4 published before the relay looks: the replay that batch 2
+        # triggers returns 1-4, so the live 2, 3 and 4 arrive after their replayed copies.
+        publisher.publish(payloads[1], send=False)
+        for payload in payloads[2:]:
+            publisher.publish(payload)
+        deadline = time.monotonic() + TIMEOUT
+        while relay.subscriber.stats["messages"] < 4:
+            assert time.monotonic() < deadline
+            relay.step(20)
+        stats = dict(relay.subscriber.stats)
+        batches_in = relay.stats["batches_in"]
+
+    assert shape(seen) == [(0, False), *((seq, True) for seq in range(1, 5))]
+    assert stats == {"messages": 4, "gaps": 1, "replays": 1, "replayed": 4, "duplicates": 3}
+    assert batches_in == 5
+    assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), engine.prompts)
+
+
+def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A replay earlier in the stream must not turn a later restart into "duplicates"."""
+    a, b, c, d = (list(range(k * 100, k * 100 + 12)) for k in range(1, 5))
+    payloads = [vllm_batch([stored(chain(p, BS), p)], i) for i, p in enumerate((a, b, c, d))]
+    publisher, source = engine_publisher(ctx)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        deliver(relay, source, publisher.publish(payloads[0]))
+        publisher.publish(payloads[1], send=False)
+        deliver(relay, source, publisher.publish(payloads[2]))  # replays 1 and 2
+        assert overlaps(index, [a, b, c]) == [{(1, 0): (3, 3, 3)}] * 3
+
+        publisher.restart()
+        assert publisher.publish(payloads[3]) == 0
+        deadline = time.monotonic() + TIMEOUT
+        while relay.subscriber.stats["messages"] < 3:
+            assert time.monotonic() < deadline
+            relay.step(20)
+        relay.step(50)
+        stats = dict(relay.subscriber.stats)
+
+    assert shape(seen)[-2:] == [("restart", 0), (0, False)]
+    assert stats["restarts"] == 1
+    assert stats["duplicates"] == 1  # the live copy of batch 2 only
+    assert overlaps(index, [a, b, c, d]) == [{}, {}, {}, {(1, 0): (3, 3, 3)}]
+
+
+# --------------------------------------------------------------------------- 3. bad frames
+
+VALID = vllm_batch([stored(chain([7] * 4, BS), [7] * 4)])
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"", (1).to_bytes(8, "big"), b"x" * 2048], "oversized"),
+        ([b"x" * 2048, (1).to_bytes(8, "big"), VALID], "oversized"),
+        ([b"t", b"x"], "frame_count"),
+        ([b"", (1).to_bytes(8, "big"), VALID, b"extra"], "frame_count"),
+        ([b"", (1).to_bytes(7, "big"), VALID], "bad_seq"),
+        ([b"", (1).to_bytes(9, "big"), VALID], "bad_seq"),
+    ],
+    ids=[
+        "oversized-payload",
+        "oversized-topic",
+        "2-frames",
+        "4-frames",
+        "7-byte-seq",
+        "9-byte-seq",
+    ],
+)
+def test_bad_frame_is_counted_and_skipped(
+    ctx: zmq.Context[zmq.Socket[bytes]], frames: list[bytes], reason: str
+) -> None:
+    publisher, source = engine_publisher(ctx)
+    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(VALID)
+        publisher.send_frames(frames)
+        publisher.publish(VALID)
+        items = receive(subscriber, 2)
+        subscriber.poll(50)
+        stats = dict(subscriber.stats)
+
+    assert shape(items) == [(0, False), (1, False)]
+    assert [item.frames for item in items if isinstance(item, Message)] == [
+        [b"", (seq).to_bytes(8, "big"), VALID] for seq in (0, 1)
+    ]
+    assert stats == {"messages": 2, f"bad_frame:{reason}": 1}
+
+
+def test_every_kind_of_bad_frame_in_one_stream(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    publisher, source = engine_publisher(ctx)
+    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for bad in (
+            [b"", (0).to_bytes(8, "big"), b"x" * 1025],
+            [b"t", b"x"],
+            [b"a", b"b", b"c", b"d"],
+            [b"", b"\x00" * 4, VALID],
+        ):
+            publisher.send_frames(bad)
+            publisher.publish(VALID)
+        items = receive(subscriber, 4)
+        stats = dict(subscriber.stats)
+
+    assert shape(items) == [(seq, False) for seq in range(4)]
+    assert stats == {
+        "messages": 4,
+        "bad_frame:oversized": 1,
+        "bad_frame:frame_count": 2,
+        "bad_frame:bad_seq": 1,
+    }
+
+
+# --------------------------------------------------------------------------- 4. bind / connect
+
+
+def test_specific_host_makes_the_subscriber_bind(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    port = free_port()
+    source = Source(f"tcp://127.0.0.1:{port}", worker_id=2)
+    assert source.subscriber_binds
+    with (
+        Subscriber([source], context=ctx) as subscriber,
+        Publisher(f"tcp://127.0.0.1:{port}", bind=False, context=ctx) as publisher,
+    ):
+        assert publisher.endpoint == f"tcp://127.0.0.1:{port}"
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        # A bound SUB sends its subscription to a new peer only when its thread polls.
+        assert subscriber.poll(100) == []
+        publisher.publish(VALID)
+        publisher.publish(VALID)
+        items = receive(subscriber, 2)
+        stats = dict(subscriber.stats)
+    assert shape(items) == [(0, False), (1, False)]
+    assert all(isinstance(item, Message) and item.source == source for item in items)
+    assert stats == {"messages": 2}
+
+
+def test_wildcard_host_makes_the_subscriber_connect_to_localhost(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    port = free_port()
+    source = Source(f"tcp://*:{port}", worker_id=2)
+    assert not source.subscriber_binds
+    # Bound on 127.0.0.1 only: the subscriber can only have connected to 127.0.0.1.
+    with (
+        Publisher(f"tcp://127.0.0.1:{port}", bind=True, context=ctx) as publisher,
+        Subscriber([source], context=ctx) as subscriber,
+    ):
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(VALID)
+        items = receive(subscriber, 1)
+    assert shape(items) == [(0, False)]
+    assert Counter(type(item) for item in items) == {Message: 1}
