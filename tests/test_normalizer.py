@@ -565,8 +565,11 @@ def test_reset_returns_clears_and_forgets_the_rank() -> None:
     assert len(out) == len(Tier)
     assert out == clear_events(seq=out[0].event.event_id)
     assert norm.dp_ranks == [1]
-    assert norm.reset(0) == []
-    assert norm.reset(5) == []
+    # A named rank is cleared downstream even when this normalizer holds nothing for it.
+    again = norm.reset(0)
+    assert again == clear_events(seq=again[0].event.event_id)
+    assert [event.dp_rank for event in norm.reset(5)] == [5] * len(Tier)
+    assert norm.dp_ranks == [1]
     # Forgotten: neither removable nor resolvable as a placeholder or a parent.
     assert norm.normalize(batch(removed([11]))) == []
     assert norm.normalize(batch(placeholder([11]))) == []

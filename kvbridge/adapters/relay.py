@@ -59,12 +59,15 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
 class _Worker:
     """One worker's normalizer, shared by its sources (one per dp rank)."""
 
-    __slots__ = ("lag", "normalizer", "ranks")
+    __slots__ = ("lag", "normalizer", "ranks", "uncleared")
 
     def __init__(self, normalizer: Normalizer) -> None:
         self.normalizer = normalizer
         self.ranks: dict[Source, set[int]] = {}
         """The dp ranks seen on each source, to clear when that source resets."""
+        self.uncleared: set[Source] = set()
+        """Sources reset before any batch named their rank: the first one that does is
+        preceded by a clear of that rank, since Dynamo may hold its blocks from before."""
         self.lag = 0.0
         """Seconds between the engine step and its batch reaching the relay, last batch."""
 
@@ -149,15 +152,23 @@ class Relay:
                 error=str(error),
             )
             return
-        worker.ranks.setdefault(message.source, set()).add(batch.data_parallel_rank or 0)
+        rank = batch.data_parallel_rank or 0
+        worker.ranks.setdefault(message.source, set()).add(rank)
         worker.lag = max(0.0, time.time() - batch.ts)
-        events = worker.normalizer.normalize(batch, message.seq)
+        events = []
+        if message.source in worker.uncleared:
+            worker.uncleared.discard(message.source)
+            events = worker.normalizer.reset(rank)
+        events += worker.normalizer.normalize(batch, message.seq)
         self._emit(message.source, events, batch.ts)
 
     def _reset(self, reset: StreamReset) -> None:
         worker = self.workers[reset.source.worker_id]
         events: list[TieredEvent] = []
-        for rank in sorted(worker.ranks.pop(reset.source, ())):
+        ranks = worker.ranks.pop(reset.source, set())
+        if not ranks:
+            worker.uncleared.add(reset.source)
+        for rank in sorted(ranks):
             events.extend(worker.normalizer.reset(rank))
         log.warning(
             "worker cleared",

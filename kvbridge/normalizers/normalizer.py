@@ -174,7 +174,9 @@ class Normalizer:
         return out
 
     def reset(self, dp_rank: int | None = None) -> list[TieredEvent]:
-        """Forget a rank's state (or every rank's) and return the clears that undo it downstream.
+        """Forget a rank's state (or every known rank's) and return the clears that undo it
+        downstream. A named rank is cleared even if this normalizer never saw it, since a
+        consumer may hold its blocks from before (a restarted relay, say).
 
         Used when the stream restarted or batches were lost for good: consistency comes before
         stale hits.
@@ -183,9 +185,8 @@ class Normalizer:
         event_id = next(self._event_ids)
         out: list[TieredEvent] = []
         for rank_id in ranks:
-            rank = self._ranks.pop(rank_id, None)
-            if rank is not None:
-                out.extend(self._clear(rank, rank_id, event_id))
+            rank = self._ranks.pop(rank_id, None) or _Rank()
+            out.extend(self._clear(rank, rank_id, event_id))
         return out
 
     @property

@@ -1,0 +1,277 @@
+"""Run ``kvbridge relay`` / ``kvbridge watch`` as subprocesses and talk to them over real sockets.
+
+* :func:`free_port_block` finds ``n`` consecutive free TCP ports on 127.0.0.1: the relay binds
+  its ``i``-th output on ``--publish`` port + ``i`` (and ``--publish-replay`` port + ``i``), so
+  a two-worker relay needs consecutive ports.
+* :class:`RelayProcess` starts ``python -m kvbridge.cli relay ...``, waits until its
+  ``--metrics-port`` answers and always terminates it (kill after a timeout).
+* :func:`wait_tcp_peers` waits until a port that a subprocess bound has ``count`` established
+  TCP peers (read from ``/proc/net/tcp``). It stands in for ``Publisher.wait_for_subscribers``
+  on the relay's own PUB sockets, which live in another process: Dynamo's ``upsert_worker``
+  returns before its SUB is connected, and a batch published earlier is lost.
+* :func:`vllm_batch` and friends encode vLLM 0.32.0 frames with kvbridge's own encoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvbridge.schemas.vllm import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    VllmBatch,
+    encode_batch,
+    layout_for,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "LAYOUT",
+    "RelayProcess",
+    "Samples",
+    "cleared",
+    "fetch_metrics",
+    "free_port_block",
+    "kvbridge_command",
+    "parse_metrics",
+    "placeholder",
+    "port_of",
+    "removed",
+    "stored",
+    "vllm_batch",
+    "wait_tcp_peers",
+]
+
+BLOCK_SIZE = 4
+LAYOUT = layout_for("0.32.0")
+_START_TIMEOUT_S = 15.0
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+"""``{(sample name, frozenset of label items): value}``."""
+
+
+# --------------------------------------------------------------------------- vLLM frames
+
+
+def stored(
+    hashes: Sequence[int | bytes],
+    tokens: Sequence[int],
+    *,
+    parent: int | bytes | None = None,
+    medium: str | None = "GPU",
+) -> BlockStored:
+    """A full ``BlockStored`` as vLLM 0.32 sends it (tokens for every block, block size 4)."""
+    return BlockStored(
+        list(hashes),
+        parent,
+        list(tokens),
+        BLOCK_SIZE,
+        None,
+        medium,
+        None,
+        [None] * len(hashes),
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
+
+
+def placeholder(block_hash: int | bytes, medium: str = "CPU") -> BlockStored:
+    """An OffloadingConnector placeholder store: one chunk's last hash, no tokens, block size 0,
+    no parent (vllm-kv-events.md section 9)."""
+    return BlockStored([block_hash], None, [], 0, None, medium, None, group_idx=0)
+
+
+def removed(hashes: Sequence[int | bytes], *, medium: str | None = "GPU") -> BlockRemoved:
+    return BlockRemoved(list(hashes), medium, 0)
+
+
+def cleared() -> AllBlocksCleared:
+    return AllBlocksCleared()
+
+
+def vllm_batch(events: Sequence[Event], dp_rank: int = 0, ts: float | None = None) -> bytes:
+    """``encode_batch(VllmBatch(ts, events, dp_rank), layout_for("0.32.0"))``; ``ts`` is now by
+    default, so that the relay's lag stays small and non-negative."""
+    return encode_batch(VllmBatch(time.time() if ts is None else ts, list(events), dp_rank), LAYOUT)
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def free_port_block(count: int, attempts: int = 200) -> int:
+    """The first of ``count`` consecutive ports that are all free on 127.0.0.1 right now."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError(f"no block of {count} free ports found")
+
+
+def _established_peers(port: int) -> int:
+    """Established TCP connections whose local end is ``port`` (one per connected peer)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state = fields[1], fields[3]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
+
+
+def wait_tcp_peers(port: int, count: int = 1, timeout: float = 5.0, settle: float = 0.1) -> None:
+    """Block until ``count`` peers are connected to the listening ``port``, then ``settle`` s
+    for the ZMTP handshake and the subscription that follows it.
+
+    Raises:
+        TimeoutError: fewer peers within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while _established_peers(port) < count:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"fewer than {count} peers on port {port} within {timeout}s")
+        time.sleep(0.01)
+    time.sleep(settle)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def parse_metrics(text: str) -> Samples:
+    """Every sample of a Prometheus text exposition, keyed by name and labels."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name, frozenset(sample.labels.items())] = sample.value
+    return samples
+
+
+def fetch_metrics(port: int, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as answer:
+        text: str = answer.read().decode()
+        return text
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def kvbridge_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvbridge.cli", *args]
+
+
+class RelayProcess:
+    """``kvbridge relay`` in a subprocess, ready once its metrics endpoint answers.
+
+    ``args`` are the relay's arguments after ``relay`` (``--metrics-port`` is added). Its log
+    (stderr) goes to ``log_path`` so that a full pipe can never block it.
+    """
+
+    def __init__(self, args: Sequence[str], *, metrics_port: int, log_path: Path) -> None:
+        self.metrics_port = metrics_port
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            kvbridge_command("relay", *args, "--metrics-port", str(metrics_port)),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"kvbridge relay exited with {self.process.returncode}:\n{self.log()}"
+                )
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                fetch_metrics(self.metrics_port, timeout=0.5)
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"kvbridge relay not serving metrics:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def metrics_text(self) -> str:
+        return fetch_metrics(self.metrics_port)
+
+    def metrics(self) -> Samples:
+        return parse_metrics(self.metrics_text())
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's value (0.0 if the relay does not export it yet)."""
+        return self.metrics().get((name, frozenset(labels.items())), 0.0)
+
+    def wait_value(self, name: str, expected: float, timeout: float = 5.0, **labels: str) -> bool:
+        """Poll until the sample equals ``expected``; ``False`` on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.value(name, **labels) != expected:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s. Idempotent."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

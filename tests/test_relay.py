@@ -1,0 +1,550 @@
+"""``kvbridge relay`` end to end: a subprocess between vLLM-format publishers and a real, unmodified
+``dynamo.llm.SelectionService``, over real sockets on 127.0.0.1.
+
+1. Dynamo registered with the relay's endpoints indexes exactly what the engines hold, on every
+   tier, for the streams its native decoder gets wrong (a second service registered directly on
+   the engines' publishers shows the wrong numbers).
+2. Dynamo recovers, through the relay's replay ROUTER, batches the relay published before the
+   service existed.
+3. Bad frames are counted by reason (relay metrics, ``kvbridge watch``) and the relay keeps
+   serving.
+4. The relay's Prometheus metrics after a stream with tiers, drops, a replayed gap and a restart.
+
+Facts: /work/shared/facts/dynamo-indexer.md sections 3-4 and
+/work/shared/facts/vllm-kv-events.md sections 1, 8, 9, 13.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from support.relay import (
+    BLOCK_SIZE,
+    RelayProcess,
+    Samples,
+    free_port_block,
+    kvbridge_command,
+    placeholder,
+    port_of,
+    removed,
+    stored,
+    vllm_batch,
+    wait_tcp_peers,
+)
+from support.selection import Overlap, SelectionHarness
+
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.schemas.vllm import Event
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+def digest(name: bytes) -> bytes:
+    """A raw SHA-256 block hash, as vLLM sends it with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
+    return hashlib.sha256(name).digest()
+
+
+def seq8(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+# --------------------------------------------------------------------------- the rig
+
+
+class Rig:
+    """vLLM-like source publishers (one per worker, each with a replay ROUTER) and a
+    ``kvbridge relay`` subprocess republishing the ``i``-th of them on ``publish[i]`` with
+    replays on ``replay[i]``."""
+
+    def __init__(
+        self,
+        stack: ExitStack,
+        log_dir: Path,
+        worker_ids: Sequence[int],
+        *,
+        extra: Sequence[str] = (),
+        buffer_steps: int = 10_000,
+    ) -> None:
+        self.stack = stack
+        self.log_dir = log_dir
+        self.worker_ids = list(worker_ids)
+        self.sources: list[Publisher] = []
+        for _ in worker_ids:
+            source = stack.enter_context(
+                Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=buffer_steps)
+            )
+            source.start_replay_thread()
+            self.sources.append(source)
+        count = len(worker_ids)
+        base = free_port_block(2 * count + 1)
+        self.publish = [f"tcp://127.0.0.1:{base + i}" for i in range(count)]
+        self.replay = [f"tcp://127.0.0.1:{base + count + i}" for i in range(count)]
+        self.metrics_port = base + 2 * count
+        self.args: list[str] = []
+        for worker_id, source in zip(worker_ids, self.sources, strict=True):
+            assert source.replay_endpoint is not None
+            # A wildcard host: the engine binds and the relay connects, as with vLLM's default.
+            self.args += ["--source", f"tcp://*:{port_of(source.endpoint)}"]
+            self.args += ["--source-replay", f"tcp://*:{port_of(source.replay_endpoint)}"]
+            self.args += ["--worker-id", str(worker_id)]
+        self.args += ["--publish", self.publish[0], "--publish-replay", self.replay[0]]
+        self.args += ["--block-size", str(BLOCK_SIZE), *extra]
+        self.runs = 0
+        self.relay = self.start_relay()
+
+    def start_relay(self) -> RelayProcess:
+        """Start (or, once the previous one is closed, restart) the relay subprocess."""
+        self.runs += 1
+        self.relay = self.stack.enter_context(
+            RelayProcess(
+                self.args,
+                metrics_port=self.metrics_port,
+                log_path=self.log_dir / f"relay-{self.metrics_port}-{self.runs}.log",
+            )
+        )
+        return self.relay
+
+    def source(self, worker_id: int) -> Publisher:
+        return self.sources[self.worker_ids.index(worker_id)]
+
+    def register(self, harness: SelectionHarness, worker_id: int, *, replay: bool = True) -> None:
+        """Register ``worker_id`` with the relay's output (and replay) endpoints, and wait until
+        the service's SUB is connected to it."""
+        index = self.worker_ids.index(worker_id)
+        record = harness.add_worker(
+            worker_id,
+            block_size=BLOCK_SIZE,
+            endpoints={0: self.publish[index]},
+            replay_endpoint=self.replay[index] if replay else None,
+        )
+        assert record["lifecycle"] == "schedulable"
+
+    def wait_connected(self, peers_per_output: int = 1, sources: int = 1) -> None:
+        """Block until the relay (and ``sources - 1`` others) subscribe to every source and
+        ``peers_per_output`` services subscribe to every relay output."""
+        for source, publish in zip(self.sources, self.publish, strict=True):
+            assert source.wait_for_subscribers(sources)
+            wait_tcp_peers(port_of(publish), peers_per_output)
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as resources:
+        yield resources
+
+
+@pytest.fixture
+def make_rig(stack: ExitStack, tmp_path: Path) -> Callable[..., Rig]:
+    def make(
+        worker_ids: Sequence[int], *, extra: Sequence[str] = (), buffer_steps: int = 10_000
+    ) -> Rig:
+        return Rig(stack, tmp_path, worker_ids, extra=extra, buffer_steps=buffer_steps)
+
+    return make
+
+
+@pytest.fixture
+def harness(stack: ExitStack) -> SelectionHarness:
+    return stack.enter_context(SelectionHarness())
+
+
+def blocks_samples(samples: Samples, name: str) -> dict[tuple[str, ...], float]:
+    """A metric's samples as ``{label values in sorted label-name order: value}``."""
+    return {
+        tuple(value for _, value in sorted(labels)): value
+        for (sample, labels), value in samples.items()
+        if sample == name
+    }
+
+
+# --------------------------------------------------------------------------- 1. correctness
+
+
+def test_relay_fixes_what_dynamo_gets_wrong(make_rig: Callable[..., Rig]) -> None:
+    """Every stream below goes to the relay and, for comparison, straight to Dynamo.
+
+    ``relay`` is a SelectionService registered with the relay's endpoints, ``native`` one
+    registered with the engines' own publishers. Both have workers 1 and 2.
+    """
+    rig = make_rig([1, 2])
+    with SelectionHarness() as relay, SelectionHarness() as native:
+        for worker_id in (1, 2):
+            rig.register(relay, worker_id)
+            source = rig.source(worker_id)
+            assert source.replay_endpoint is not None
+            native.add_worker(
+                worker_id,
+                block_size=BLOCK_SIZE,
+                endpoints={0: source.endpoint},
+                replay_endpoint=source.replay_endpoint,
+            )
+        rig.wait_connected(sources=2)  # the relay and `native` subscribe to each engine
+        sentinels = itertools.count(1)
+
+        def publish(worker_id: int, *events: Event) -> None:
+            rig.source(worker_id).publish(vllm_batch(events))
+
+        def sync(worker_id: int) -> None:
+            """A one-block store of fresh tokens both services index: once both see it, they
+            have processed everything published before it on that worker's stream."""
+            n = next(sentinels)
+            tokens = [900_000 + 4 * n + i for i in range(BLOCK_SIZE)]
+            publish(worker_id, stored([10**15 + n], tokens))
+            want = {(worker_id, 0): (1, 1, 1)}
+            assert relay.wait_for(lambda: relay.overlap(tokens) == want), relay.overlap(tokens)
+            assert native.wait_for(lambda: native.overlap(tokens) == want), native.overlap(tokens)
+
+        def check(tokens: list[int], via_relay: Overlap, direct: Overlap) -> None:
+            assert (relay.overlap(tokens), native.overlap(tokens)) == (via_relay, direct)
+
+        # (a) Raw SHA-256 digests as block hashes. Dynamo rejects the whole batch ("data did
+        # not match any variant of untagged enum BlockHashValue"); the relay indexes it.
+        bytes_prompt = list(range(100, 112))
+        a1, a2, a3 = digest(b"a1"), digest(b"a2"), digest(b"a3")
+        publish(
+            1,
+            stored([a1, a2], bytes_prompt[:8]),
+            stored([a3], bytes_prompt[8:], parent=a2),
+        )
+        sync(1)
+        check(bytes_prompt, {(1, 0): (3, 3, 3)}, {})
+        publish(1, removed([a3]))
+        sync(1)
+        check(bytes_prompt, {(1, 0): (2, 2, 2)}, {})
+
+        # (b) OffloadingConnector placeholders (no tokens, block size 0, "CPU"): block 3
+        # offloaded while on the GPU, blocks 3-4 evicted from the GPU, then block 4 offloaded
+        # after its eviction. Dynamo drops placeholders ("Block size must be 4 tokens ... Block
+        # size is: 0"); the relay resolves them through the engine hash.
+        offload_prompt = list(range(200, 216))
+        publish(1, stored([201, 202, 203, 204], offload_prompt))
+        publish(1, placeholder(203))
+        publish(1, removed([203]), removed([204]))  # one BlockRemoved per GPU hash
+        publish(1, placeholder(204))
+        sync(1)
+        check(offload_prompt, {(1, 0): (2, 4, 4)}, {(1, 0): (2, 2, 2)})
+
+        # (c) Mooncake / LMCache lower-case "cpu". Dynamo: unknown medium, dropped.
+        lower_prompt = list(range(300, 312))
+        publish(
+            1,
+            stored([301, 302], lower_prompt[:8]),
+            stored([301, 302, 303], lower_prompt, medium="cpu"),
+        )
+        sync(1)
+        check(lower_prompt, {(1, 0): (2, 3, 3)}, {(1, 0): (2, 2, 2)})
+
+        # (d) Two engines hash the same tokens differently. Dynamo keeps the first writer's
+        # hash per node: worker 2's extension fails ("Failed to find parent block") and its
+        # removals silently do nothing. The relay rewrites both to the same canonical hashes.
+        shared = list(range(400, 416))
+
+        def workers(first: int, second: int) -> Overlap:
+            return {(1, 0): (first,) * 3, (2, 0): (second,) * 3}
+
+        publish(1, stored([401, 402, 403], shared[:12]))
+        sync(1)
+        publish(2, stored([501, 502, 503], shared[:12]))
+        sync(2)
+        check(shared, workers(3, 3), workers(3, 3))
+        publish(2, stored([504], shared[12:], parent=503))
+        sync(2)
+        check(shared, workers(3, 4), workers(3, 3))
+        publish(2, removed([504]), removed([503]))
+        sync(2)
+        check(shared, workers(3, 2), workers(3, 3))
+        publish(1, removed([403]))
+        sync(1)
+        check(shared, workers(2, 2), workers(2, 3))
+
+        # (e) Self-describing CPU chunks of 2 blocks over a shared prefix: the second chunk
+        # re-announces block 2, then one chunk's copy of block 2 is evicted. Dynamo has no
+        # reference counts and drops block 2 (the CPU prefix falls to 1 block); the relay keeps
+        # it, since the other chunk still holds it.
+        chunk_prompt = list(range(600, 612))
+        publish(1, stored([601, 602], chunk_prompt[:8], medium="CPU"))
+        publish(1, stored([602, 603], chunk_prompt[4:], parent=601, medium="CPU"))
+        sync(1)
+        check(chunk_prompt, {(1, 0): (0, 3, 3)}, {(1, 0): (0, 3, 3)})
+        publish(1, removed([602], medium="CPU"))
+        sync(1)
+        check(chunk_prompt, {(1, 0): (0, 3, 3)}, {(1, 0): (0, 1, 1)})
+
+        # Nothing else changed meanwhile.
+        check(bytes_prompt, {(1, 0): (2, 2, 2)}, {})
+        check(offload_prompt, {(1, 0): (2, 4, 4)}, {(1, 0): (2, 2, 2)})
+        check(lower_prompt, {(1, 0): (2, 3, 3)}, {(1, 0): (2, 2, 2)})
+    assert rig.relay.value("kvbridge_bad_frames_total", reason="schema") == 0
+    assert rig.relay.value("kvbridge_lost_batches_total") == 0
+
+
+# --------------------------------------------------------------------------- 2. relay replay
+
+
+def test_dynamo_replays_from_the_relay(make_rig: Callable[..., Rig]) -> None:
+    """Four batches go through the relay before any SelectionService exists. A service
+    registered afterwards with the relay's publish and replay endpoints sees one live batch
+    (seq > 0, so it replays from 0 over the relay's ROUTER) and then holds all five; one
+    registered without the replay endpoint holds only the live one."""
+    rig = make_rig([7])
+    rig.wait_connected(peers_per_output=0)
+    source = rig.source(7)
+    prompt = list(range(100, 112))
+    source.publish(vllm_batch([stored([11, 12], prompt[:8])]))
+    source.publish(vllm_batch([stored([13], prompt[8:], parent=12)]))
+    source.publish(vllm_batch([stored([12, 13], prompt[4:], parent=11, medium="CPU")]))
+    source.publish(vllm_batch([removed([13])]))
+    assert rig.relay.wait_value("kvbridge_batches_total", 4, direction="out")
+
+    with SelectionHarness() as with_replay, SelectionHarness() as without_replay:
+        rig.register(with_replay, 7)
+        rig.register(without_replay, 7, replay=False)
+        rig.wait_connected(peers_per_output=2)
+        later = list(range(500, 504))
+        source.publish(vllm_batch([stored([21], later)]))
+        assert with_replay.wait_for(lambda: with_replay.overlap(later) == {(7, 0): (1, 1, 1)})
+        assert without_replay.wait_for(lambda: without_replay.overlap(later) == {(7, 0): (1, 1, 1)})
+        assert with_replay.overlap(prompt) == {(7, 0): (2, 3, 3)}
+        assert without_replay.overlap(prompt) == {}
+    assert rig.relay.value("kvbridge_batches_total", direction="out") == 5
+
+
+# --------------------------------------------------------------------------- 3. bad frames
+
+
+MAX_FRAME_BYTES = 256
+
+
+def send_bad_frames(publisher: Publisher) -> None:
+    """An oversized (otherwise valid) frame, a 2-frame message and an undecodable payload,
+    then a valid batch storing two blocks of tokens 100-107."""
+    big = vllm_batch([stored(range(1000, 1020), range(80))])
+    assert len(big) > MAX_FRAME_BYTES
+    publisher.send_frames([b"", seq8(publisher.next_seq), big])
+    publisher.send_frames([b"", seq8(publisher.next_seq)])
+    assert publisher.publish(b"\xc1garbage") == 0
+    assert publisher.publish(vllm_batch([stored([1, 2], range(100, 108))])) == 1
+
+
+def test_bad_frames_counted_and_relay_keeps_serving(
+    make_rig: Callable[..., Rig], harness: SelectionHarness, stack: ExitStack, tmp_path: Path
+) -> None:
+    """(Dynamo alone, for comparison: it has no frame-size limit and indexes the oversized
+    batch's 20 blocks, logs "Unexpected ZMQ frame count: 2", and skips the garbage as a
+    repeated seq 0.)"""
+    # `kvbridge watch` on a publisher of its own, started first to overlap the start-up costs.
+    watched = stack.enter_context(Publisher(LOCAL, bind=True))
+    watch_log = stack.enter_context((tmp_path / "watch.log").open("wb"))
+    watch = subprocess.Popen(
+        kvbridge_command(
+            "watch",
+            "--source",
+            f"tcp://*:{port_of(watched.endpoint)}",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-frame-bytes",
+            str(MAX_FRAME_BYTES),
+            "--duration",
+            "2",
+            "--interval",
+            "1",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=watch_log,
+        text=True,
+    )
+    stack.callback(lambda: watch.poll() is None and watch.kill())
+    # Its 2 s count from its start-up: send as soon as it subscribes, then start the relay.
+    assert watched.wait_for_subscribers(1, timeout=15)
+    send_bad_frames(watched)
+
+    rig = make_rig([1], extra=["--max-frame-bytes", str(MAX_FRAME_BYTES)])
+    rig.register(harness, 1)
+    rig.wait_connected()
+    send_bad_frames(rig.source(1))
+
+    prompt = list(range(100, 108))
+    assert harness.wait_for(lambda: harness.overlap(prompt) == {(1, 0): (2, 2, 2)})
+    relay = rig.relay
+    assert relay.wait_value("kvbridge_batches_total", 2, direction="in")
+    samples = relay.metrics()
+    assert blocks_samples(samples, "kvbridge_bad_frames_total") == {
+        ("frame_count",): 1,
+        ("oversized",): 1,
+        ("schema",): 1,
+    }
+    assert blocks_samples(samples, "kvbridge_batches_total") == {("in",): 2, ("out",): 1}
+    for name in ("gaps", "replays", "lost_batches", "restarts"):
+        assert samples["kvbridge_" + name + "_total", frozenset()] == 0, name
+    # The refused frame's tokens were never indexed.
+    assert harness.overlap(list(range(80))) == {}
+
+    out, _ = watch.communicate(timeout=15)
+    assert watch.returncode == 0, (tmp_path / "watch.log").read_text()
+    lines = out.strip().splitlines()
+    assert lines[-3:] == [
+        "batches 2 | gaps 0 | replays 0 (recovered 0) | lost 0 | restarts 0",
+        "bad frames: frame_count=1, oversized=1, schema=1",
+        "not forwarded: none",
+    ], out
+    # The worker row of the last render: worker 0 (no --worker-id), dp 0, 2 device blocks.
+    row = lines[-5].split()
+    assert row[:6] == ["0", "0", "2", "0", "0", "0"], out
+
+
+# --------------------------------------------------------------------------- 4. metrics
+
+
+def test_metrics_after_tiers_drops_gap_and_restart(
+    make_rig: Callable[..., Rig], harness: SelectionHarness
+) -> None:
+    rig = make_rig([1])
+    rig.register(harness, 1)
+    rig.wait_connected()
+    source = rig.source(1)
+    old = list(range(100, 112))
+    new = list(range(200, 208))
+
+    def publish(*events: Event, send: bool = True) -> int:
+        return source.publish(vllm_batch(events), send=send)
+
+    publish(stored([1, 2, 3], old))  # stored device forwarded 3
+    publish(stored([2, 3], old[4:], parent=1, medium="CPU"))  # stored host_pinned forwarded 2
+    publish(removed([3]))  # removed device forwarded 1
+    publish(stored([1], old[:4]))  # stored device duplicate_store 1
+    assert publish(stored([9], range(900, 904), medium="FLOPPY")) == 4  # unknown_medium 1
+    assert harness.wait_for(lambda: harness.overlap(old) == {(1, 0): (2, 3, 3)})
+
+    # The engine restarts: the relay clears worker 1 on every tier (in Dynamo too, on a stream
+    # whose sequence keeps increasing, while the engine's own went back to 0).
+    source.restart()
+    assert publish(stored([11, 12], new)) == 0  # stored device forwarded 2
+    # seq 1 never reaches the relay; seq 2 opens a gap that the relay replays (1 and 2).
+    assert publish(stored([12], new[4:], parent=11, medium="CPU"), send=False) == 1
+    assert publish(removed([12])) == 2  # stored host_pinned 1, removed device 1
+    assert harness.wait_for(lambda: harness.overlap(new) == {(1, 0): (1, 2, 2)})
+    assert harness.overlap(old) == {}
+
+    relay = rig.relay
+    assert relay.wait_value("kvbridge_replayed_batches_total", 2)
+    samples = relay.metrics()
+    assert blocks_samples(samples, "kvbridge_blocks_total") == {
+        # label values in name order: outcome, tier, type, worker
+        ("forwarded", "device", "stored", "1"): 5,
+        ("forwarded", "host_pinned", "stored", "1"): 3,
+        ("forwarded", "device", "removed", "1"): 2,
+        ("duplicate_store", "device", "stored", "1"): 1,
+        ("unknown_medium", "unknown", "stored", "1"): 1,
+    }
+    assert blocks_samples(samples, "kvbridge_clears_total") == {
+        (tier, "1"): 1 for tier in ("device", "host_pinned", "disk", "external")
+    }
+    assert blocks_samples(samples, "kvbridge_resident_blocks") == {
+        # dp_rank, tier, worker
+        ("0", "device", "1"): 1,
+        ("0", "host_pinned", "1"): 1,
+        ("0", "disk", "1"): 0,
+        ("0", "external", "1"): 0,
+    }
+    counters = {
+        name: samples[name, frozenset()]
+        for name in (
+            "kvbridge_gaps_total",
+            "kvbridge_replays_total",
+            "kvbridge_replayed_batches_total",
+            "kvbridge_lost_batches_total",
+            "kvbridge_restarts_total",
+            "kvbridge_duplicate_batches_total",
+        )
+    }
+    assert counters == {
+        "kvbridge_gaps_total": 1,
+        "kvbridge_replays_total": 1,
+        "kvbridge_replayed_batches_total": 2,
+        "kvbridge_lost_batches_total": 0,
+        "kvbridge_restarts_total": 1,
+        "kvbridge_duplicate_batches_total": 1,  # the live copy of seq 2
+    }
+    # 8 in: 5 before the restart, seqs 0, 1 (replayed) and 2 after; 7 out: the duplicate store and
+    # the unknown medium produce nothing, the restart one AllBlocksCleared batch.
+    assert blocks_samples(samples, "kvbridge_batches_total") == {("in",): 8, ("out",): 7}
+    assert blocks_samples(samples, "kvbridge_bad_frames_total") == {}
+    assert blocks_samples(samples, "kvbridge_unknown_fields_total") == {("1",): 0}
+    lag = blocks_samples(samples, "kvbridge_lag_seconds")
+    assert list(lag) == [("1",)]
+    assert 0 <= lag["1",] < 5
+
+
+def test_restart_after_a_replayed_gap_clears_the_worker(
+    make_rig: Callable[..., Rig], harness: SelectionHarness
+) -> None:
+    """The other order of test 4's events: a gap replayed (seqs 1-2), then a restart."""
+    rig = make_rig([1])
+    rig.register(harness, 1)
+    rig.wait_connected()
+    source = rig.source(1)
+    old = list(range(100, 112))
+    new = list(range(200, 204))
+    source.publish(vllm_batch([stored([1], old[:4])]))
+    source.publish(vllm_batch([stored([2], old[4:8], parent=1)]), send=False)
+    source.publish(vllm_batch([stored([3], old[8:], parent=2)]))  # gap: 1-2 replayed
+    assert harness.wait_for(lambda: harness.overlap(old) == {(1, 0): (3, 3, 3)})
+
+    source.restart()
+    assert source.publish(vllm_batch([stored([11], new)])) == 0
+    relay = rig.relay
+
+    def outcome() -> tuple[float, float]:
+        return (
+            relay.value("kvbridge_restarts_total"),
+            relay.value("kvbridge_duplicate_batches_total"),
+        )
+
+    # Either a restart or one more duplicate (the live copy of seq 2 is the first one). Before
+    # 061e8a2 the restarted engine's seq 0 (<= the last replayed seq) counted as a duplicate,
+    # (0, 2), and its batches were dropped until its seq passed 2.
+    assert harness.wait_for(lambda: sum(outcome()) == 2)
+    assert outcome() == (1, 1)
+    assert harness.wait_for(lambda: harness.overlap(new) == {(1, 0): (1, 1, 1)}, timeout=2)
+    assert harness.overlap(old) == {}
+
+
+# --------------------------------------------------------------------------- relay restarts
+
+
+def test_relay_restart_with_lost_batches_clears_dynamo(
+    make_rig: Callable[..., Rig], harness: SelectionHarness
+) -> None:
+    """The relay is restarted while the engine evicts a prefix, and the engine's replay buffer
+    (2 batches) no longer reaches back to that eviction: the relay cannot know what was
+    removed, so it must clear the worker in Dynamo rather than leave the prefix there."""
+    rig = make_rig([1], buffer_steps=2)
+    rig.register(harness, 1)
+    rig.wait_connected()
+    source = rig.source(1)
+    old = list(range(100, 108))
+    later = [list(range(200 + 100 * i, 204 + 100 * i)) for i in range(3)]
+    assert source.publish(vllm_batch([stored([1, 2], old)])) == 0
+    assert harness.wait_for(lambda: harness.overlap(old) == {(1, 0): (2, 2, 2)})
+
+    rig.relay.close()
+    assert source.publish(vllm_batch([removed([1]), removed([2])])) == 1  # while it is down
+    assert source.publish(vllm_batch([stored([3], later[0])])) == 2
+    assert source.publish(vllm_batch([stored([4], later[1])])) == 3
+    relay = rig.start_relay()
+    wait_tcp_peers(port_of(source.endpoint), 1)
+    wait_tcp_peers(port_of(rig.publish[0]), 1)
+    # The relay's first batch is seq 4: it replays from 0, gets 3 and 4, and counts 0-2 lost.
+    assert source.publish(vllm_batch([stored([5], later[2])])) == 4
+    assert harness.wait_for(lambda: harness.overlap(later[2]) == {(1, 0): (1, 1, 1)})
+    assert relay.value("kvbridge_lost_batches_total") == 3
+    assert relay.value("kvbridge_replayed_batches_total") == 2
+    assert harness.overlap(later[1]) == {(1, 0): (1, 1, 1)}
+    assert harness.overlap(later[0]) == {}
+    assert harness.overlap(old) == {}  # actual: {(1, 0): (2, 2, 2)}, evicted long ago
