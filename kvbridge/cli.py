@@ -150,6 +150,7 @@ def _relay(args: argparse.Namespace) -> int:
         topic=args.topic,
         buffer_steps=args.buffer_steps,
         max_frame_bytes=args.max_frame_bytes,
+        replay_on_start=True,
     ) as relay:
         _serve_metrics(args, relay)
         for source in relay.outputs:
@@ -167,7 +168,10 @@ def _relay(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     with Relay(
-        _sources(args), block_size=args.block_size, max_frame_bytes=args.max_frame_bytes
+        _sources(args),
+        block_size=args.block_size,
+        max_frame_bytes=args.max_frame_bytes,
+        replay_on_start=True,
     ) as relay:
         _serve_metrics(args, relay)
         stop = _until(args)
@@ -185,7 +189,9 @@ def _record(args: argparse.Namespace) -> int:
     meta = {"command": "kvbridge record", "sources": [msgspec.to_builtins(s) for s in sources]}
     stop = _until(args)
     with (
-        Subscriber(sources, max_frame_bytes=args.max_frame_bytes) as subscriber,
+        Subscriber(
+            sources, max_frame_bytes=args.max_frame_bytes, replay_on_start=True
+        ) as subscriber,
         CaptureWriter(args.out, meta=meta) as capture,
     ):
         _serve_metrics(args, subscriber=subscriber)

@@ -539,9 +539,12 @@ def test_all_blocks_cleared_clears_one_rank() -> None:
     assert norm.forwarded[("cleared", Tier.EXTERNAL)] == 1
     assert norm.resident_blocks(0, Tier.DEVICE) == norm.resident_blocks(0, Tier.HOST_PINNED) == 0
     assert norm.resident_blocks(1, Tier.DEVICE) == 1
-    # Old hashes are gone on rank 0 ...
+    # Old hashes are gone on rank 0: their removals (vLLM's CPU pool outlives a reset) are
+    # counted as cleared earlier, once; a second removal is unknown ...
     assert norm.normalize(batch(removed([11]), removed([12], "CPU")), 6) == []
-    assert norm.stats == Counter({"unknown_block": 2})
+    assert norm.stats == Counter({"cleared_earlier": 2})
+    assert norm.normalize(batch(removed([11])), 6) == []
+    assert norm.stats == Counter({"cleared_earlier": 2, "unknown_block": 1})
     # ... but not on rank 1.
     assert norm.normalize(batch(removed([11]), rank=1), 7) == [
         remove_event(Tier.DEVICE, [SEQ[0]], seq=7, dp_rank=1)
@@ -553,7 +556,7 @@ def test_all_blocks_cleared_clears_one_rank() -> None:
     assert norm.normalize(batch(stored([13], 12, toks(2, 3))), 9) == [
         store_event(Tier.DEVICE, SEQ[1], blocks(2, 3), toks(2, 3), seq=9)
     ]
-    assert norm.stats == Counter({"unknown_block": 2})
+    assert norm.stats == Counter({"cleared_earlier": 2, "unknown_block": 1})
 
 
 def test_reset_returns_clears_and_forgets_the_rank() -> None:

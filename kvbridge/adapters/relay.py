@@ -87,13 +87,19 @@ class Relay:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         index: TieredIndex | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        replay_on_start: bool = False,
     ) -> None:
         if not sources:
             raise ValueError("a relay needs at least one source")
         self.block_size = block_size
         self.index = index
         self.context = context or zmq.Context.instance()
-        self.subscriber = Subscriber(sources, context=self.context, max_frame_bytes=max_frame_bytes)
+        self.subscriber = Subscriber(
+            sources,
+            context=self.context,
+            max_frame_bytes=max_frame_bytes,
+            replay_on_start=replay_on_start,
+        )
         self.stats: Counter[str] = Counter()
         """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
         self.workers: dict[int, _Worker] = {}

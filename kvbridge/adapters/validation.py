@@ -25,8 +25,11 @@ from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
 __all__ = ["Problem", "Report", "render_text", "validate_captures"]
 
-REFERENCE_COUNTING: Final = frozenset((DropReason.DUPLICATE_STORE, DropReason.STILL_REFERENCED))
-"""Not forwarded, yet nothing is lost: a copy stays counted. Never a problem, even strict."""
+BENIGN: Final = frozenset(
+    (DropReason.DUPLICATE_STORE, DropReason.STILL_REFERENCED, DropReason.CLEARED_EARLIER)
+)
+"""Not forwarded, yet nothing is lost (reference counting; removals of blocks a reset already
+cleared). Never a problem, even strict."""
 
 
 class Problem(msgspec.Struct, omit_defaults=True):
@@ -158,7 +161,7 @@ def validate_captures(
                 )
                 invalid.add((name, index))
             for reason, count in sorted(drops.items()):
-                if reason in REFERENCE_COUNTING or reason == DropReason.UNKNOWN_FIELD:
+                if reason in BENIGN or reason == DropReason.UNKNOWN_FIELD:
                     continue
                 message = f"{count} block(s) not forwarded: {reason}"
                 problems.append(replace(where, reason=reason, message=message, count=count))

@@ -9,7 +9,9 @@ What it does about sequence numbers, per source:
 
 - **gap** (``seq > last + 1``): asks the source's replay socket for the missing batches with a
   DEALER, speaking both replay layouts (without a topic frame before vLLM 0.26, with one after);
-- **first message** not at sequence 0 and a replay endpoint known: replays from 0;
+- **first message** not at sequence 0 and a replay endpoint known: replays from 0; with
+  ``replay_on_start`` it asks for that replay before any live message, so that the batches of
+  an engine that has gone idle arrive too;
 - **aged-out replay** (the first replayed sequence is past the one asked for) or no replay
   endpoint: the missing batches are counted as lost and a :class:`StreamReset` tells the
   consumer to clear the worker, since a lost removal would leave a stale block behind;
@@ -119,6 +121,7 @@ class Subscriber:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         replay_timeout: float = 2.0,
+        replay_on_start: bool = False,
     ) -> None:
         self.context = context or zmq.Context.instance()
         self.max_frame_bytes = max_frame_bytes
@@ -139,6 +142,11 @@ class Subscriber:
                 socket.connect(connect_address(source.endpoint))
             self._streams[socket] = _Stream(source, socket)
             self._poller.register(socket, zmq.POLLIN)
+        self._starting = [
+            stream
+            for stream in self._streams.values()
+            if replay_on_start and stream.source.replay_endpoint
+        ]
 
     @property
     def sources(self) -> list[Source]:
@@ -153,6 +161,10 @@ class Subscriber:
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
         """Everything that arrived within ``timeout_ms``, in stream order per source."""
         out: list[Message | StreamReset] = []
+        while self._starting:
+            stream = self._starting.pop(0)
+            if stream.last is None:
+                out.extend(self._recover(stream, 0, None))
         for socket, _ in self._poller.poll(timeout_ms):
             stream = self._streams[socket]
             while True:
@@ -233,14 +245,20 @@ class Subscriber:
 
     # -- replay ------------------------------------------------------------------------------
 
-    def _recover(self, stream: _Stream, start: int, live_seq: int) -> list[Message | StreamReset]:
-        """Fetch ``start .. live_seq - 1`` from the replay socket. Whatever it cannot deliver is
-        lost: a :class:`StreamReset` goes out at the point of the loss, in stream order."""
+    def _recover(
+        self, stream: _Stream, start: int, live_seq: int | None
+    ) -> list[Message | StreamReset]:
+        """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
+        replay socket. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at
+        the point of the loss, in stream order."""
         replayed = self._replay(stream, start) if stream.source.replay_endpoint else []
         out: list[Message | StreamReset] = []
         expected = start
         for message in [*replayed, None]:
+            if message is None and live_seq is None:
+                break
             seq = live_seq if message is None else message.seq
+            assert seq is not None
             if seq < expected:
                 continue  # already delivered
             if seq > expected:

@@ -58,6 +58,10 @@ class DropReason:
     DUPLICATE_STORE: Final = "duplicate_store"
     STILL_REFERENCED: Final = "still_referenced"
     UNKNOWN_BLOCK: Final = "unknown_block"
+    CLEARED_EARLIER: Final = "cleared_earlier"
+    """A removal of a block an ``AllBlocksCleared`` already took off every tier. vLLM's reset
+    keeps its CPU pool, so the CPU tier goes on evicting blocks kvbridge has cleared: expected,
+    and nothing is lost."""
     UNKNOWN_FIELD: Final = "unknown_field"
     """Not a drop: unknown trailing positions or map keys the decoder ignored."""
 
@@ -87,13 +91,15 @@ class _Block:
 class _Rank:
     """The state of one dp_rank's stream."""
 
-    __slots__ = ("blocks", "group_kinds", "refs", "retired")
+    __slots__ = ("blocks", "cleared", "group_kinds", "refs", "retired")
 
     def __init__(self) -> None:
         self.blocks: dict[int, _Block] = {}
         self.retired: OrderedDict[int, _Block] = OrderedDict()
         self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
         self.group_kinds: dict[int, str] = {}
+        self.cleared: set[int] = set()
+        """Engine hashes that were resident when the rank was last cleared."""
 
     def lookup(self, engine_hash: int) -> _Block | None:
         block = self.blocks.get(engine_hash)
@@ -384,7 +390,10 @@ class Normalizer:
             key = engine_hash_u64(engine_hash)
             block = rank.blocks.get(key)
             count = 0 if block is None else refs.get(block.canonical, 0)
-            if block is None or count == 0:
+            if (block is None or count == 0) and key in rank.cleared:
+                rank.cleared.discard(key)
+                self.dropped["removed", tier.value, DropReason.CLEARED_EARLIER] += 1
+            elif block is None or count == 0:
                 self._drop("removed", tier, DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
             elif count > 1:
                 refs[block.canonical] = count - 1
@@ -407,6 +416,9 @@ class Normalizer:
             rank.retired.popitem(last=False)
 
     def _clear(self, rank: _Rank, dp_rank: int, event_id: int) -> list[TieredEvent]:
+        if len(rank.cleared) + len(rank.blocks) > self.retain_evicted:
+            rank.cleared.clear()
+        rank.cleared.update(rank.blocks)
         for key in list(rank.blocks):
             self._retire(rank, key)
         for refs in rank.refs:
