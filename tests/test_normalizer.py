@@ -130,8 +130,8 @@ def test_canonical_hashes_whatever_the_engine_hashes(style: str) -> None:
         [store_event(Tier.DEVICE, SEQ[1], blocks(2, 4), toks(2, 4), seq=11)],
         # Removals translated engine -> canonical, one event per vLLM event.
         [
-            remove_event(Tier.DEVICE, [SEQ[3]], seq=12),
-            remove_event(Tier.DEVICE, [SEQ[1], SEQ[2]], seq=12),
+            # Consecutive removals from one tier come out as one event.
+            remove_event(Tier.DEVICE, [SEQ[3], SEQ[1], SEQ[2]], seq=12),
         ],
     ]
     assert SEQ == [
@@ -483,8 +483,7 @@ def test_placeholder_after_gpu_eviction_resolves() -> None:
     norm = Normalizer(WORKER, BS)
     norm.normalize(batch(stored([11, 12], None, toks(0, 2))), 1)
     assert norm.normalize(batch(removed([11]), removed([12])), 2) == [
-        remove_event(Tier.DEVICE, [SEQ[0]], seq=2),
-        remove_event(Tier.DEVICE, [SEQ[1]], seq=2),
+        remove_event(Tier.DEVICE, [SEQ[0], SEQ[1]], seq=2),
     ]
     assert norm.normalize(batch(placeholder([12])), 3) == [
         store_event(Tier.HOST_PINNED, SEQ[0], blocks(1, 2), toks(1, 2), seq=3)
@@ -735,3 +734,19 @@ def test_constructor_validation() -> None:
         Normalizer(WORKER, 0)
     with pytest.raises(ValueError):
         Normalizer(-1, BS)
+
+
+def test_consecutive_removals_of_one_tier_coalesce_in_order() -> None:
+    norm = Normalizer(WORKER, BS)
+    norm.normalize(
+        batch(stored([11, 12, 13], None, toks(0, 3)), stored([11, 12], None, toks(0, 2), "CPU"))
+    )
+    out = norm.normalize(
+        batch(removed([13]), removed([12]), removed([12], "CPU"), removed([11]), removed([99])), 4
+    )
+    assert out == [
+        remove_event(Tier.DEVICE, [SEQ[2], SEQ[1]], seq=4),
+        remove_event(Tier.HOST_PINNED, [SEQ[1]], seq=4),
+        remove_event(Tier.DEVICE, [SEQ[0]], seq=4),
+    ]
+    assert norm.stats == Counter({"unknown_block": 1})

@@ -11,19 +11,22 @@ are resolved through a per-rank map from engine hash to canonical block.
 from __future__ import annotations
 
 import itertools
+import struct
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any, Final
 
 import structlog
+import xxhash
 
 from kvbridge.normalizers.hashing import (
     DYNAMO_SALT_PREFIX,
+    DYNAMO_SEED,
+    U64_MASK,
     block_seed,
     engine_hash_u64,
     pack_tokens,
-    sequence_hash,
     tokens_hash,
 )
 from kvbridge.normalizers.media import tier_for_medium
@@ -43,6 +46,8 @@ MAIN_ATTENTION_KINDS: Final = frozenset(("full_attention", "mla_attention", "sin
 """The KV-cache group kinds a prefix index can use; Dynamo indexes exactly these."""
 
 _TIERS: Final = tuple(Tier)
+_xxh3_64 = xxhash.xxh3_64_intdigest
+_pair = struct.Struct("<QQ").pack
 
 
 class DropReason:
@@ -88,16 +93,25 @@ class _Block:
         self.cache_salt = cache_salt
 
 
+_Verdict = tuple[Tier | None, str | None]
+"""The tier an event goes to, or ``None`` and the reason it is dropped."""
+
+
 class _Rank:
     """The state of one dp_rank's stream."""
 
-    __slots__ = ("blocks", "cleared", "group_kinds", "refs", "retired")
+    __slots__ = ("admission", "blocks", "cleared", "group_kinds", "presence", "refs", "retired")
 
     def __init__(self) -> None:
         self.blocks: dict[int, _Block] = {}
         self.retired: OrderedDict[int, _Block] = OrderedDict()
         self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
+        """Per tier: canonical block → reference count."""
+        self.presence: dict[int, int] = {}
+        """Canonical block → number of tiers it is resident on."""
         self.group_kinds: dict[int, str] = {}
+        self.admission: dict[tuple[str | None, str | None, int | None, str | None], _Verdict] = {}
+        """Verdicts by (medium, locality, group_idx, kind): a few distinct keys per stream."""
         self.cleared: set[int] = set()
         """Engine hashes that were resident when the rank was last cleared."""
 
@@ -113,9 +127,6 @@ class _Rank:
             if block is not None:
                 self.blocks[engine_hash] = block
         return block
-
-    def resident(self, canonical: int) -> bool:
-        return any(canonical in refs for refs in self.refs)
 
 
 class Normalizer:
@@ -161,7 +172,11 @@ class Normalizer:
 
     def normalize(self, batch: VllmBatch, seq: int | None = None) -> list[TieredEvent]:
         """The canonical events of one batch. ``seq`` (the ZMQ sequence number) becomes the
-        Dynamo ``event_id``; without it an internal counter is used."""
+        Dynamo ``event_id``; without it an internal counter is used.
+
+        Consecutive removals from one tier come out as one event: vLLM sends one
+        ``BlockRemoved`` per evicted GPU block.
+        """
         event_id = next(self._event_ids) if seq is None else seq
         dp_rank = batch.data_parallel_rank or 0
         rank = self._ranks.get(dp_rank)
@@ -169,14 +184,29 @@ class Normalizer:
             rank = self._ranks[dp_rank] = _Rank()
         self.unknown_fields += batch.unknown_fields
         out: list[TieredEvent] = []
+        gone: list[int] = []
+        gone_tier: Tier | None = None
         for event in batch.events:
+            if isinstance(event, BlockRemoved):
+                tier = self._admit(rank, event, "removed", None)
+                if tier is None:
+                    continue
+                if tier is not gone_tier and gone:
+                    out.append(self._removal(dp_rank, event_id, gone_tier, gone))
+                    gone = []
+                gone_tier = tier
+                self._removed(rank, tier, event, gone)
+                continue
+            if gone:
+                out.append(self._removal(dp_rank, event_id, gone_tier, gone))
+                gone = []
             if isinstance(event, BlockStored):
                 self._stored(rank, dp_rank, event_id, event, out)
-            elif isinstance(event, BlockRemoved):
-                self._removed(rank, dp_rank, event_id, event, out)
             else:
                 assert isinstance(event, AllBlocksCleared)
                 out.extend(self._clear(rank, dp_rank, event_id))
+        if gone:
+            out.append(self._removal(dp_rank, event_id, gone_tier, gone))
         return out
 
     def reset(self, dp_rank: int | None = None) -> list[TieredEvent]:
@@ -214,7 +244,7 @@ class Normalizer:
         rank = self._ranks.get(dp_rank)
         return 0 if rank is None else len(rank.refs[_TIERS.index(tier)])
 
-    # -- events ---------------------------------------------------------------------------
+    # -- admission --------------------------------------------------------------------------
 
     def _drop(self, kind: str, tier: Tier | None, reason: str, count: int, **context: Any) -> None:
         self.dropped[kind, "unknown" if tier is None else tier.value, reason] += count
@@ -222,30 +252,55 @@ class Normalizer:
             self._logged.add(reason)
             self._log.warning("event dropped", reason=reason, **context)
 
-    def _admit(self, rank: _Rank, event: BlockStored | BlockRemoved, count: int) -> Tier | None:
-        """The event's tier, or ``None`` after counting why the event is not indexed."""
-        kind = "stored" if isinstance(event, BlockStored) else "removed"
-        tier = tier_for_medium(event.medium)
-        if tier is None:
-            self._drop(kind, None, DropReason.UNKNOWN_MEDIUM, count, medium=event.medium)
-            return None
-        if event.locality is not None and event.locality.upper() != "LOCAL":
-            remote = event.locality.upper() == "REMOTE"
-            reason = DropReason.REMOTE_LOCALITY if remote else DropReason.UNKNOWN_LOCALITY
-            self._drop(kind, tier, reason, count, locality=event.locality)
-            return None
+    def _admit(
+        self, rank: _Rank, event: BlockStored | BlockRemoved, kind: str, spec: str | None
+    ) -> Tier | None:
+        """The event's tier, or ``None`` after counting why the event is not indexed.
+
+        ``spec`` is a store's ``kv_cache_spec_kind``; it teaches the rank its groups' kinds,
+        which removals (that carry only ``group_idx``) are filtered by.
+        """
         group = event.group_idx
-        spec = getattr(event, "kv_cache_spec_kind", None)
-        if spec is not None and group is not None:
+        if spec is not None and group is not None and rank.group_kinds.get(group) != spec:
             rank.group_kinds[group] = spec
+            rank.admission.clear()
+        key = (event.medium, event.locality, group, spec)
+        verdict = rank.admission.get(key)
+        if verdict is None:
+            verdict = rank.admission[key] = self._judge(rank, *key)
+        tier, reason = verdict
+        if reason is not None:
+            self._drop(
+                kind,
+                tier,
+                reason,
+                len(event.block_hashes),
+                medium=event.medium,
+                locality=event.locality,
+                group_idx=group,
+                spec_kind=spec,
+            )
+            return None
+        return tier
+
+    def _judge(
+        self,
+        rank: _Rank,
+        medium: str | None,
+        locality: str | None,
+        group: int | None,
+        spec: str | None,
+    ) -> _Verdict:
+        tier = tier_for_medium(medium)
+        if tier is None:
+            return None, DropReason.UNKNOWN_MEDIUM
+        if locality is not None and locality.upper() != "LOCAL":
+            remote = locality.upper() == "REMOTE"
+            return tier, DropReason.REMOTE_LOCALITY if remote else DropReason.UNKNOWN_LOCALITY
         if spec is None and group is not None:
             spec = rank.group_kinds.get(group)
         main = spec in self.main_kinds if spec is not None else group in (None, 0)
-        if not main:
-            reason = DropReason.NON_MAIN_GROUP
-            self._drop(kind, tier, reason, count, group_idx=group, spec_kind=spec)
-            return None
-        return tier
+        return tier, None if main else DropReason.NON_MAIN_GROUP
 
     def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
         key = (lora_name, cache_salt)
@@ -254,11 +309,12 @@ class Normalizer:
             seed = self._seeds[key] = block_seed(lora_name, cache_salt)
         return seed
 
+    # -- stores -----------------------------------------------------------------------------
+
     def _stored(
         self, rank: _Rank, dp_rank: int, event_id: int, event: BlockStored, out: list[TieredEvent]
     ) -> None:
-        count = len(event.block_hashes)
-        tier = self._admit(rank, event, count)
+        tier = self._admit(rank, event, "stored", event.kv_cache_spec_kind)
         if tier is None:
             return
         blocks: list[_Block] | None
@@ -271,22 +327,23 @@ class Normalizer:
                     self._drop("stored", tier, reason, 1, medium=event.medium)
                 else:
                     blocks.append(block)
-        else:
-            if event.block_size != self.block_size:
-                self._drop(
-                    "stored",
-                    tier,
-                    DropReason.BLOCK_SIZE_MISMATCH,
-                    count,
-                    expected=self.block_size,
-                    block_size=event.block_size,
-                )
-                return
-            blocks = self._canonical_blocks(rank, event)
-            if blocks is None:
-                self._drop("stored", tier, DropReason.ORPHAN_PARENT, count)
-                return
-        self._make_resident(rank, dp_rank, event_id, tier, blocks, out)
+            self._make_resident(rank, dp_rank, event_id, tier, blocks, None, out)
+            return
+        if event.block_size != self.block_size:
+            self._drop(
+                "stored",
+                tier,
+                DropReason.BLOCK_SIZE_MISMATCH,
+                len(event.block_hashes),
+                expected=self.block_size,
+                block_size=event.block_size,
+            )
+            return
+        blocks = self._canonical_blocks(rank, event)
+        if blocks is None:
+            self._drop("stored", tier, DropReason.ORPHAN_PARENT, len(event.block_hashes))
+            return
+        self._make_resident(rank, dp_rank, event_id, tier, blocks, event.token_ids, out)
 
     def _canonical_blocks(self, rank: _Rank, event: BlockStored) -> list[_Block] | None:
         """Hash the event's blocks canonically and remember them by engine hash.
@@ -306,21 +363,30 @@ class Normalizer:
             lora_name = lora_name or parent_block.lora_name
         width = self.block_size * 4
         packed = pack_tokens(event.token_ids[: len(event.block_hashes) * self.block_size])
-        extra_keys = event.extra_keys
+        extra_keys = event.extra_keys or ()
+        seed = self._seed(lora_name, salt)
+        live, retired = rank.blocks, rank.retired
         blocks = []
         for index, engine_hash in enumerate(event.block_hashes):
-            key = engine_hash_u64(engine_hash)
-            block = rank.revive(key)
+            key = (
+                engine_hash & U64_MASK if type(engine_hash) is int else engine_hash_u64(engine_hash)
+            )
+            block = live.get(key)
+            if block is None and (block := retired.pop(key, None)) is not None:
+                live[key] = block  # known, then evicted from every tier: live again
             if block is None:
                 tokens = packed[index * width : (index + 1) * width]
-                keys = extra_keys[index] if extra_keys and index < len(extra_keys) else None
-                content = tokens_hash(tokens, self._seed(lora_name, salt), _mm_hashes(keys))
-                canonical = sequence_hash(parent, content)
-                block = rank.blocks[key] = _Block(
-                    canonical, content, parent, tokens, lora_name, salt
+                keys = extra_keys[index] if index < len(extra_keys) else None
+                content = (
+                    tokens_hash(tokens, seed, _mm_hashes(keys)) if keys else _xxh3_64(tokens, seed)
                 )
-            else:
+                canonical = (
+                    content if parent is None else _xxh3_64(_pair(parent, content), DYNAMO_SEED)
+                )
+                block = live[key] = _Block(canonical, content, parent, tokens, lora_name, salt)
+            elif block.cache_salt != salt or block.lora_name != lora_name:
                 salt, lora_name = block.cache_salt, block.lora_name
+                seed = self._seed(lora_name, salt)
             blocks.append(block)
             parent = block.canonical
         return blocks
@@ -332,87 +398,108 @@ class Normalizer:
         event_id: int,
         tier: Tier,
         blocks: list[_Block],
+        token_ids: list[int] | None,
         out: list[TieredEvent],
     ) -> None:
-        refs = rank.refs[_TIERS.index(tier)]
+        """Count one more reference on ``tier`` for each block; forward those that just became
+        resident, as runs of chained blocks. ``token_ids`` are the event's own tokens (block
+        ``i`` is ``token_ids[i * block_size:]``), or ``None`` to take them from the blocks."""
+        refs, presence = rank.refs[_TIERS.index(tier)], rank.presence
+        start = 0
         run: list[_Block] = []
         duplicates = 0
-        for block in blocks:
-            count = refs.get(block.canonical, 0)
-            refs[block.canonical] = count + 1
+        for index, block in enumerate(blocks):
+            canonical = block.canonical
+            count = refs.get(canonical, 0)
+            refs[canonical] = count + 1
             if count:
                 duplicates += 1
                 continue
+            presence[canonical] = presence.get(canonical, 0) + 1
             if run and run[-1].canonical != block.parent:
-                out.append(self._store_event(dp_rank, event_id, tier, run))
+                out.append(self._store_event(dp_rank, event_id, tier, run, token_ids, start))
                 run = []
+            if not run:
+                start = index
             run.append(block)
         if run:
-            out.append(self._store_event(dp_rank, event_id, tier, run))
+            out.append(self._store_event(dp_rank, event_id, tier, run, token_ids, start))
         if duplicates:
             self.dropped["stored", tier.value, DropReason.DUPLICATE_STORE] += duplicates
 
     def _store_event(
-        self, dp_rank: int, event_id: int, tier: Tier, run: list[_Block]
+        self,
+        dp_rank: int,
+        event_id: int,
+        tier: Tier,
+        run: list[_Block],
+        token_ids: list[int] | None,
+        start: int,
     ) -> TieredEvent:
         self.forwarded["stored", tier] += len(run)
         data = StoredData(
             parent_hash=run[0].parent,
             blocks=[StoredBlock(block.canonical, block.tokens_hash) for block in run],
         )
-        tokens = array("I")
-        for block in run:
-            tokens.frombytes(block.tokens)
+        if token_ids is not None:
+            size = self.block_size
+            tokens = token_ids[start * size : (start + len(run)) * size]
+        else:
+            packed = array("I")
+            packed.frombytes(b"".join(block.tokens for block in run))
+            tokens = packed.tolist()
         return TieredEvent(
             self.worker_id,
             dp_rank,
             tier,
             KvCacheEvent(event_id, EventData(stored=data), dp_rank),
-            tokens.tolist(),
+            tokens,
             run[0].lora_name,
             run[0].cache_salt,
         )
 
-    def _removed(
-        self,
-        rank: _Rank,
-        dp_rank: int,
-        event_id: int,
-        event: BlockRemoved,
-        out: list[TieredEvent],
-    ) -> None:
-        tier = self._admit(rank, event, len(event.block_hashes))
-        if tier is None:
-            return
-        refs = rank.refs[_TIERS.index(tier)]
-        gone: list[int] = []
+    # -- removals and clears ----------------------------------------------------------------
+
+    def _removed(self, rank: _Rank, tier: Tier, event: BlockRemoved, gone: list[int]) -> None:
+        """Count one reference less on ``tier`` for each block; collect in ``gone`` those whose
+        last reference went."""
+        refs, presence, blocks = rank.refs[_TIERS.index(tier)], rank.presence, rank.blocks
         for engine_hash in event.block_hashes:
-            key = engine_hash_u64(engine_hash)
-            block = rank.blocks.get(key)
+            key = (
+                engine_hash & U64_MASK if type(engine_hash) is int else engine_hash_u64(engine_hash)
+            )
+            block = blocks.get(key)
             count = 0 if block is None else refs.get(block.canonical, 0)
-            if (block is None or count == 0) and key in rank.cleared:
+            if count == 1:
+                canonical = block.canonical  # type: ignore[union-attr]
+                del refs[canonical]
+                gone.append(canonical)
+                tiers = presence[canonical] - 1
+                if tiers:
+                    presence[canonical] = tiers
+                else:
+                    del presence[canonical]
+                    self._retire(rank, key)
+            elif count > 1:
+                refs[block.canonical] = count - 1  # type: ignore[union-attr]
+                self.dropped["removed", tier.value, DropReason.STILL_REFERENCED] += 1
+            elif key in rank.cleared:
                 rank.cleared.discard(key)
                 self.dropped["removed", tier.value, DropReason.CLEARED_EARLIER] += 1
-            elif block is None or count == 0:
-                self._drop("removed", tier, DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
-            elif count > 1:
-                refs[block.canonical] = count - 1
-                self.dropped["removed", tier.value, DropReason.STILL_REFERENCED] += 1
             else:
-                del refs[block.canonical]
-                gone.append(block.canonical)
-                if not rank.resident(block.canonical):
-                    self._retire(rank, key)
-        if gone:
-            self.forwarded["removed", tier] += len(gone)
-            data = EventData(removed=RemovedData(gone))
-            out.append(
-                TieredEvent(self.worker_id, dp_rank, tier, KvCacheEvent(event_id, data, dp_rank))
-            )
+                self._drop("removed", tier, DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
+
+    def _removal(
+        self, dp_rank: int, event_id: int, tier: Tier | None, gone: list[int]
+    ) -> TieredEvent:
+        assert tier is not None
+        self.forwarded["removed", tier] += len(gone)
+        data = EventData(removed=RemovedData(gone))
+        return TieredEvent(self.worker_id, dp_rank, tier, KvCacheEvent(event_id, data, dp_rank))
 
     def _retire(self, rank: _Rank, key: int) -> None:
         rank.retired[key] = rank.blocks.pop(key)
-        while len(rank.retired) > self.retain_evicted:
+        if len(rank.retired) > self.retain_evicted:
             rank.retired.popitem(last=False)
 
     def _clear(self, rank: _Rank, dp_rank: int, event_id: int) -> list[TieredEvent]:
@@ -423,6 +510,7 @@ class Normalizer:
             self._retire(rank, key)
         for refs in rank.refs:
             refs.clear()
+        rank.presence.clear()
         out = []
         for tier in _TIERS:
             self.forwarded["cleared", tier] += 1
