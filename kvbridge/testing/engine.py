@@ -644,10 +644,15 @@ class SimulatedEngine:
         request.num_cached = full
 
     def _free_request(self, request: _Request) -> None:
+        """vLLM's ``BlockPool.free_blocks`` (0.23+): tail first; a freed block that holds no hash
+        (the partial last block) goes to the head of the free queue, to be reused before any
+        cached block is evicted."""
         for block in reversed(request.blocks):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.digest is None:
+                    self._free.move_to_end(block.block_id, last=False)
         request.blocks = []
 
     # ------------------------------------------------------------------ the CPU tier
