@@ -750,3 +750,11 @@ def test_consecutive_removals_of_one_tier_coalesce_in_order() -> None:
         remove_event(Tier.DEVICE, [SEQ[0]], seq=4),
     ]
     assert norm.stats == Counter({"unknown_block": 1})
+
+
+def test_a_duplicate_inside_a_chain_keeps_each_block_its_own_tokens() -> None:
+    """Engine hash 11 twice: the second is a duplicate, and block 12's tokens are its own."""
+    norm = Normalizer(WORKER, BS)
+    out = norm.normalize(batch(stored([11, 11, 12], None, toks(0, 3))), 1)
+    assert [event.token_ids for event in out] == [toks(0, 1) + toks(2, 3)]
+    assert norm.stats == Counter({"duplicate_store": 1})

@@ -421,6 +421,8 @@ class Normalizer:
                 run = []
             if not run:
                 start = index
+            elif index != start + len(run):
+                token_ids = None  # a skipped duplicate inside the chain: not one token slice
             run.append(block)
         if run:
             out.append(self._store_event(dp_rank, event_id, tier, run, token_ids, start))

@@ -211,26 +211,47 @@ class _TolerantWireBatch(_WireBatch, array_like=True, forbid_unknown_fields=Fals
 
 _BATCH = msgspec.msgpack.Decoder(_WireBatch)
 _TOLERANT_BATCH = msgspec.msgpack.Decoder(_TolerantWireBatch)
+_LAST_ARRAY_LAYOUT: Final = [layout for layout in LAYOUTS if layout.encoding == "array"][-1]
 _STRICT_UNIONS = {era: _event_union(array_like=era, strict=True) for era in (True, False)}
 _STRICT = {era: msgspec.msgpack.Decoder(union) for era, union in _STRICT_UNIONS.items()}
 _TOLERANT = {
     era: msgspec.msgpack.Decoder(_event_union(array_like=era, strict=False))
     for era in (True, False)
 }
-_MAP_BATCH = msgspec.msgpack.Decoder(
-    msgspec.defstruct(
-        "_MapWireBatch",
-        [
-            ("ts", float),
-            ("events", list[_STRICT_UNIONS[False]]),  # type: ignore[valid-type]
-            ("data_parallel_rank", int | None, None),
-        ],
-        array_like=True,
-        forbid_unknown_fields=True,
+_FAST_BATCHES = tuple(
+    msgspec.msgpack.Decoder(
+        msgspec.defstruct(
+            "_FastWireBatch",
+            [
+                ("ts", float),
+                ("events", list[_STRICT_UNIONS[era]]),  # type: ignore[valid-type]
+                ("data_parallel_rank", int | None, None),
+            ],
+            array_like=True,
+            forbid_unknown_fields=True,
+        )
     )
+    for era in (False, True)
 )
-"""The fast path: a batch of known map-era events (vLLM 0.24+) in one pass. Anything else
-(array events, unknown fields, errors) takes the event-by-event path."""
+"""The fast path: a batch whose events are all of one era and all known, in one pass; map
+events (vLLM 0.24+) are tried first. Anything else (mixed eras, unknown fields, errors) takes
+the event-by-event path."""
+_MAP_ONLY: Final = {
+    "BlockStored": STORED_FIELDS[_LAST_ARRAY_LAYOUT.stored_fields :],
+    "BlockRemoved": REMOVED_FIELDS[_LAST_ARRAY_LAYOUT.removed_fields :],
+}
+
+
+def _past_array_era(events: list[Any]) -> bool:
+    """Whether array events carry values at positions no array release had (which the strict
+    array variants read as map-only fields): the event-by-event path counts them as unknown."""
+    for event in events:
+        names = _MAP_ONLY.get(type(event).__name__, ())
+        if any(getattr(event, name) is not None for name in names):
+            return True
+    return False
+
+
 _GENERIC = msgspec.msgpack.Decoder()
 _FIELDS_BY_TAG: Final[dict[str, tuple[str, ...]]] = {
     "BlockStored": STORED_FIELDS,
@@ -246,7 +267,6 @@ def _is_array(raw: msgspec.Raw) -> bool:
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
 
 
-_LAST_ARRAY_LAYOUT: Final = [layout for layout in LAYOUTS if layout.encoding == "array"][-1]
 _ARRAY_FIELDS: Final = {
     "BlockStored": _LAST_ARRAY_LAYOUT.stored_fields,
     "BlockRemoved": _LAST_ARRAY_LAYOUT.removed_fields,
@@ -344,13 +364,17 @@ def decode_batch(payload: bytes | memoryview) -> VllmBatch:
     """Decode the msgpack payload (frame 2) of any vLLM release that publishes KV events."""
     if not payload:
         raise SchemaError("batch: empty payload")
-    try:
-        fast: Any = _MAP_BATCH.decode(payload)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return _decode_batch_by_event(payload)
-    for index, event in enumerate(fast.events):
-        _check(index, event)
-    return VllmBatch(fast.ts, fast.events, fast.data_parallel_rank)
+    for era, decoder in enumerate(_FAST_BATCHES):
+        try:
+            fast: Any = decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        if era and _past_array_era(fast.events):
+            break
+        for index, event in enumerate(fast.events):
+            _check(index, event)
+        return VllmBatch(fast.ts, fast.events, fast.data_parallel_rank)
+    return _decode_batch_by_event(payload)
 
 
 def _decode_batch_by_event(payload: bytes | memoryview) -> VllmBatch:
