@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import time
@@ -100,10 +101,17 @@ def sink(endpoint: str, expected: int, ready: Connection, done: Connection) -> N
     context.destroy(linger=0)
 
 
-def run(middle: str, payloads: Sequence[bytes], expected: int, port: int) -> float:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def run(middle: str, payloads: Sequence[bytes], expected: int) -> float:
     """Seconds from the first message sent to the last received, through one middle."""
     ctx = mp.get_context("spawn")
-    source, out = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    source, out = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
@@ -139,7 +147,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=100_000, help="input blocks per run")
     parser.add_argument("--repeat", type=int, default=3, help="runs per middle")
-    parser.add_argument("--port", type=int, default=47_100)
     args = parser.parse_args(argv)
 
     variant = VARIANTS[0]
@@ -154,10 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"relay output: {outputs} payloads (a batch whose events were all dropped sends none)")
 
     results: dict[str, list[float]] = {"forward": [], "relay": []}
-    for attempt in range(args.repeat):
+    for _ in range(args.repeat):
         for middle, expected in (("forward", len(payloads)), ("relay", outputs)):
-            port = args.port + 10 * attempt + (0 if middle == "forward" else 5)
-            results[middle].append(blocks / run(middle, payloads, expected, port))
+            results[middle].append(blocks / run(middle, payloads, expected))
 
     print(f"\nblocks/s, middle process pinned to one core, best of {args.repeat} (median)")
     for middle, rates in results.items():
