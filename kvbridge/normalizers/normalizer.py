@@ -380,6 +380,7 @@ class Normalizer:
                 content = (
                     tokens_hash(tokens, seed, _mm_hashes(keys)) if keys else _xxh3_64(tokens, seed)
                 )
+                # hashing.tokens_hash and hashing.sequence_hash, inlined on this hot path
                 canonical = (
                     content if parent is None else _xxh3_64(_pair(parent, content), DYNAMO_SEED)
                 )
