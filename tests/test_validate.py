@@ -120,3 +120,13 @@ def test_strict_fails_on_drops_and_unknown_fields(
     assert strict.returncode == 1
     report = msgspec.json.decode(strict.stdout, type=Report)
     assert [(p.record, p.reason, p.count) for p in report.problems] == [(0, strict_reason, 1)]
+
+
+def test_every_golden_vllm_capture_is_valid_even_strict() -> None:
+    golden = sorted((SAMPLE.parents[2] / "tests" / "fixtures" / "vllm-0.32.0").glob("*.kvcap"))
+    assert len(golden) == 10
+    result = validate("--strict", *map(str, golden))
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.splitlines() == [
+        "valid (strict): 127 frames, 815 events, 0 invalid frames in 10 capture(s)"
+    ]

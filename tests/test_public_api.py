@@ -1,0 +1,77 @@
+"""The public API: the names users import, and a malformed payload that changes nothing."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+import kvbridge
+from kvbridge import (
+    Normalizer,
+    Overlap,
+    SchemaError,
+    Tier,
+    TieredEvent,
+    TieredIndex,
+    decode_batch,
+)
+from kvbridge.schemas.vllm import BlockStored, VllmBatch, encode_batch, layout_for
+
+TOKENS = list(range(100, 116))
+LAYOUT = layout_for("0.32.0")
+
+
+def test_public_names() -> None:
+    assert {
+        "decode_batch",
+        "Normalizer",
+        "TieredIndex",
+        "Tier",
+        "TieredEvent",
+        "Overlap",
+        "SchemaError",
+    } <= set(kvbridge.__all__)
+    assert [tier.value for tier in Tier] == ["device", "host_pinned", "disk", "external"]
+    assert issubclass(SchemaError, ValueError)
+    assert TieredEvent.__struct_fields__[:4] == ("worker_id", "dp_rank", "tier", "event")
+    assert Overlap() == Overlap(0, 0, 0)
+
+
+def _valid() -> bytes:
+    event = BlockStored([1, 2, 3, 4], None, TOKENS, 4, None, "GPU", None)
+    return encode_batch(VllmBatch(1.0, [event], 0), LAYOUT)
+
+
+def _malformed() -> dict[str, bytes]:
+    wrong_type = msgspec.msgpack.decode(_valid())
+    wrong_type[1][0]["block_size"] = "4"
+    unknown_tag = msgspec.msgpack.decode(_valid())
+    unknown_tag[1][0]["type"] = "BlockMoved"
+    mismatch = msgspec.msgpack.decode(_valid())
+    mismatch[1][0]["token_ids"] = TOKENS[:12]
+    return {
+        "truncated": _valid()[:-9],
+        "wrong_type": msgspec.msgpack.encode(wrong_type),
+        "unknown_tag": msgspec.msgpack.encode(unknown_tag),
+        "mismatch": msgspec.msgpack.encode(mismatch),
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("truncated", "batch: malformed msgpack: Input data was truncated"),
+        ("wrong_type", "event 0: field 'block_size': Expected `int`, got `str`"),
+        ("unknown_tag", "event 0: field 'type': Invalid value 'BlockMoved'"),
+        ("mismatch", "event 0: field 'token_ids': 12 tokens cannot fill 4 blocks of 4"),
+    ],
+)
+def test_a_malformed_payload_leaves_the_index_unchanged(kind: str, message: str) -> None:
+    normalizer, index = Normalizer(1, 4), TieredIndex(4)
+    index.apply(normalizer.normalize(decode_batch(_valid()), 0))
+    before = (index.dump(), index.overlap(TOKENS), normalizer.stats)
+    with pytest.raises(SchemaError) as raised:
+        index.apply(normalizer.normalize(decode_batch(_malformed()[kind]), 1))
+    assert str(raised.value) == message
+    assert (index.dump(), index.overlap(TOKENS), normalizer.stats) == before
+    assert index.overlap(TOKENS) == {(1, 0): Overlap(4, 4, 4)}
