@@ -74,8 +74,9 @@ def _demo(args: argparse.Namespace) -> int:
         raise SystemExit("kvbridge demo: error: the capture names no block size; pass --block-size")
     index = TieredIndex(block_size)
     normalizers: dict[int, Normalizer] = {}
-    bad = 0
+    bad = messages = 0
     for record in reader:
+        messages += 1
         normalizer = normalizers.setdefault(
             record.worker_id, Normalizer(record.worker_id, block_size)
         )
@@ -86,7 +87,7 @@ def _demo(args: argparse.Namespace) -> int:
             log.warning("bad frame", stream=record.stream, seq=record.seq, error=str(error))
             continue
         index.apply(normalizer.normalize(batch, record.seq))
-    print(f"{path.name}: {sum(1 for _ in reader)} messages, {bad} bad, block size {block_size}")
+    print(f"{path.name}: {messages} messages, {bad} bad, block size {block_size}")
     for worker_id, normalizer in sorted(normalizers.items()):
         drops = ", ".join(f"{k}={v}" for k, v in sorted(normalizer.stats.items())) or "none"
         print(f"worker {worker_id}: not forwarded: {drops}")
