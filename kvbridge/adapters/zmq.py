@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Final, Literal
 
 import msgspec
@@ -148,10 +148,6 @@ class Subscriber:
             if replay_on_start and stream.source.replay_endpoint
         ]
 
-    @property
-    def sources(self) -> list[Source]:
-        return [stream.source for stream in self._streams.values()]
-
     def last_seq(self, source: Source) -> int | None:
         for stream in self._streams.values():
             if stream.source == source:
@@ -174,10 +170,6 @@ class Subscriber:
                     break
                 out.extend(self._receive(stream, frames))
         return out
-
-    def __iter__(self) -> Iterator[Message | StreamReset]:
-        while True:
-            yield from self.poll()
 
     def close(self) -> None:
         for stream in self._streams.values():
