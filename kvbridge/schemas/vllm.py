@@ -443,8 +443,8 @@ def encode_batch(batch: VllmBatch | Sequence[Event], layout: Layout, *, ts: floa
     wire_events = []
     for event in events:
         wire_type = types[type(event).__struct_config__.tag]  # type: ignore[index]
-        wire_events.append(
-            wire_type(*(getattr(event, name) for name in wire_type.__struct_fields__))
-        )
+        # A layout's fields are the leading fields of the event type.
+        fields = msgspec.structs.astuple(event)[: len(wire_type.__struct_fields__)]
+        wire_events.append(wire_type(*fields))
     wire: list[Any] = [ts, wire_events, rank]
     return msgspec.msgpack.encode(wire[: layout.batch_fields])
