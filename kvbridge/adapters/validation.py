@@ -82,11 +82,12 @@ class _Stream:
             if size is None:
                 return Counter()  # nothing indexable yet: wait for a store with tokens
             self.normalizer = Normalizer(self.worker_id, size)
-        before = self.normalizer.stats
+        before = Counter(self.normalizer.dropped)
         self.normalizer.normalize(batch, seq)
-        after = self.normalizer.stats
-        after.subtract(before)
-        return +after
+        added: Counter[str] = Counter()
+        for (_, _, reason), count in (self.normalizer.dropped - before).items():
+            added[reason] += count
+        return added
 
 
 def _block_size_of(batch: VllmBatch) -> int | None:
@@ -161,7 +162,7 @@ def validate_captures(
                 )
                 invalid.add((name, index))
             for reason, count in sorted(drops.items()):
-                if reason in BENIGN or reason == DropReason.UNKNOWN_FIELD:
+                if reason in BENIGN:
                     continue
                 message = f"{count} block(s) not forwarded: {reason}"
                 problems.append(replace(where, reason=reason, message=message, count=count))
