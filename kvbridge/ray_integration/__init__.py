@@ -1,1 +1,49 @@
-"""Ray Serve request routing through Dynamo's router. Ray is imported only in this package."""
+"""Ray Serve integration: requests routed by Dynamo's KV router, replicas that relay their events.
+
+* :class:`DynamoKVRouter`: a Serve ``RequestRouter`` that asks Dynamo's ``SelectionService``.
+* :class:`KVEventsReplica`: the base of a deployment whose engine publishes KV events; runs a
+  relay next to the engine and advertises it to the router.
+* :func:`vllm_engine_kwargs`, :func:`engine_env`, :class:`KVEventPorts`: the engine settings.
+
+This is the only part of kvbridge that imports Ray (``pip install 'kvbridge[ray]'``).
+"""
+
+try:
+    import ray.serve  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvbridge.ray_integration needs Ray Serve: pip install 'kvbridge[ray]'"
+    ) from error
+
+from kvbridge.ray_integration.advert import ROUTING_STATS_KEY, KVEventsAdvert, read_advert
+from kvbridge.ray_integration.engine import (
+    KVEventPorts,
+    engine_env,
+    kv_events_config,
+    vllm_engine_kwargs,
+)
+from kvbridge.ray_integration.replica import KVEventsReplica
+from kvbridge.ray_integration.router import DynamoKVRouter, deployment_key
+from kvbridge.ray_integration.routing import (
+    RouterStats,
+    RoutingState,
+    find_routing_state,
+    worker_id_for,
+)
+
+__all__ = [
+    "ROUTING_STATS_KEY",
+    "DynamoKVRouter",
+    "KVEventPorts",
+    "KVEventsAdvert",
+    "KVEventsReplica",
+    "RouterStats",
+    "RoutingState",
+    "deployment_key",
+    "engine_env",
+    "find_routing_state",
+    "kv_events_config",
+    "read_advert",
+    "vllm_engine_kwargs",
+    "worker_id_for",
+]

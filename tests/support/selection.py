@@ -1,8 +1,8 @@
 """Run a real, in-process ``dynamo.llm.SelectionService`` for tests and read its overlap scores.
 
-``SelectionService`` methods return pyo3 futures bound to the running asyncio loop of the thread
-that calls them, so :class:`SelectionHarness` owns an event loop in a background thread and runs
-every call there (wrapped in an ``async def``), exposing a blocking API to the test.
+:class:`SelectionHarness` is a blocking, test-shaped API over
+:class:`kvbridge.adapters.selection.SelectionClient`, which runs the service on an event loop of
+its own.
 
 Slow joiners. ``upsert_worker`` returns *before* the service's ZMQ SUB is connected: the listener
 logs "ZMQ listener starting" / "ZMQ listener ready" about 3-5 ms later and the PUB sees the
@@ -18,21 +18,17 @@ out, both used by ``tests/test_publisher.py``:
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
-from dynamo.llm import SelectionService
 from dynamo.llm.exceptions import SelectionServiceError
 
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.selection import SelectionClient
 
 __all__ = ["Overlap", "SelectionHarness", "wait_connected"]
-
-_T = TypeVar("_T")
 
 Overlap = dict[tuple[int, int], tuple[int, int, int]]
 """``{(worker_id, dp_rank): (device_blocks, host_pinned_blocks, disk_blocks)}``."""
@@ -54,28 +50,18 @@ def wait_connected(publisher: Publisher, count: int = 1, timeout: float = 5.0) -
 
 
 class SelectionHarness:
-    """A real ``SelectionService`` driven from synchronous test code.
+    """A real ``SelectionService`` driven from synchronous test code (through
+    :class:`kvbridge.adapters.selection.SelectionClient`).
 
     Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="selection-harness", daemon=True
-        )
-        self._thread.start()
-        self._closed = False
-        self.service: Any = self._run(self._create())
+        self.client = SelectionClient()
+        self.service: Any = self.client.service
 
-    async def _create(self) -> Any:
-        return SelectionService()
-
-    def _run(self, coro: Coroutine[Any, Any, _T], timeout: float = _CALL_TIMEOUT_S) -> _T:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("harness is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.client.call_sync(method, *args, timeout=_CALL_TIMEOUT_S)
 
     def add_worker(
         self,
@@ -116,11 +102,8 @@ class SelectionHarness:
         if replay_endpoint is not None:
             worker["replay_endpoint"] = replay_endpoint
 
-        async def upsert() -> dict[str, Any]:
-            record: dict[str, Any] = await self.service.upsert_worker(worker)
-            return record
-
-        return self._run(upsert())
+        record: dict[str, Any] = self._call("upsert_worker", worker)
+        return record
 
     def remove_worker(self, worker_id: int) -> dict[str, Any]:
         """``delete_worker``: drop the worker, its listeners and its indexed blocks.
@@ -129,11 +112,8 @@ class SelectionHarness:
         make the service accept seq 0 again after an engine restart).
         """
 
-        async def delete() -> dict[str, Any]:
-            record: dict[str, Any] = await self.service.delete_worker(worker_id)
-            return record
-
-        return self._run(delete())
+        record: dict[str, Any] = self._call("delete_worker", worker_id)
+        return record
 
     def overlap_raw(self, request: dict[str, Any]) -> dict[str, Any]:
         """Return the service's ``overlap_scores`` answer for ``request`` unchanged.
@@ -142,11 +122,8 @@ class SelectionHarness:
         (``block_hashes``, ``sequence_hashes``, ``isl_tokens``), plus ``model_name``.
         """
 
-        async def scores() -> dict[str, Any]:
-            result: dict[str, Any] = await self.service.overlap_scores(request)
-            return result
-
-        return self._run(scores())
+        result: dict[str, Any] = self._call("overlap_scores", request)
+        return result
 
     def overlap_request(self, request: dict[str, Any]) -> Overlap:
         """Like :meth:`overlap` for an arbitrary ``overlap_scores`` request.
@@ -199,19 +176,8 @@ class SelectionHarness:
             time.sleep(0.01)
 
     def close(self) -> None:
-        """Shut the service down and stop the loop thread. Idempotent."""
-        if self._closed:
-            return
-        self.service.shutdown()
-        self._closed = True
-
-        async def drain() -> None:
-            await asyncio.sleep(0)
-
-        asyncio.run_coroutine_threadsafe(drain(), self._loop).result(_CALL_TIMEOUT_S)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(_CALL_TIMEOUT_S)
-        self._loop.close()
+        """Shut the service down and stop its loop thread. Idempotent."""
+        self.client.close()
 
     def __enter__(self) -> Self:
         return self

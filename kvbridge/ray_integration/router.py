@@ -1,0 +1,162 @@
+"""``DynamoKVRouter``: a Ray Serve request router that asks Dynamo's KV router.
+
+For every request it finds the prompt's token ids, asks Dynamo's ``SelectionService`` to select
+and reserve a worker among the candidate replicas (under a timeout), and returns ranked groups:
+Dynamo's pick first, then the other replicas by their cached overlap with the prompt. The
+reservation is freed when Serve reports the request completed. Without tokens, without a
+registered replica, or without an answer in time, it routes by power of two choices and counts
+the fallback by reason.
+
+Its state lives in :mod:`kvbridge.ray_integration.routing`, not here: Ray pickles this module by
+value, which would copy the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, cast
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from kvbridge.ray_integration.prompt import (
+    Tokenizer,
+    load_tokenizer,
+    prompt_lora_name,
+    prompt_tokens,
+)
+from kvbridge.ray_integration.routing import NoChoice, RoutingState, routing_state
+
+__all__ = ["DynamoKVRouter", "deployment_key"]
+
+
+def deployment_key(app_name: str, deployment_name: str) -> str:
+    """How a deployment's routing state is named: ``"app#deployment"``."""
+    return f"{app_name}#{deployment_name}"
+
+
+class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Routes each request to the replica Dynamo's KV router picks.
+
+    Configure it with ``RequestRouterConfig(request_router_class=DynamoKVRouter,
+    request_router_kwargs={...})``; the kwargs are those of :meth:`initialize_state`. Replicas
+    advertise their KV-event streams through ``record_routing_stats`` (see
+    :class:`~kvbridge.ray_integration.KVEventsReplica`), or through Ray Serve LLM's own
+    ``kv_event_metadata``.
+    """
+
+    _routing: RoutingState
+    _tokenizer: Tokenizer | None
+
+    def initialize_state(
+        self,
+        *,
+        block_size: int | None = None,
+        model_name: str = "default",
+        select_timeout_s: float = 1.0,
+        reservation_ttl_s: float = 3600.0,
+        tokenizer: str | None = None,
+        indexer_threads: int | None = None,
+        **unknown: Any,
+    ) -> None:
+        """Read ``request_router_kwargs``.
+
+        Args:
+            block_size: the engines' block size; ``None`` takes the first replica's. A replica
+                that advertises another is not registered (and counted).
+            model_name: Dynamo's model name for this deployment.
+            select_timeout_s: the longest a decision waits for Dynamo before the fallback.
+            reservation_ttl_s: frees a reservation whose completion never came, after this.
+            tokenizer: ``"package.module:function"`` turning a request body with a text prompt
+                or chat messages into token ids.
+            indexer_threads: Dynamo's indexer threads.
+
+        Raises:
+            TypeError: an unknown keyword (a typo in ``request_router_kwargs``).
+            ValueError: a bad value, e.g. a tokenizer that cannot be imported.
+        """
+        if unknown:
+            raise TypeError(f"DynamoKVRouter got unknown router kwargs: {sorted(unknown)}")
+        if block_size is not None and block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if select_timeout_s <= 0:
+            raise ValueError(f"select_timeout_s must be positive, got {select_timeout_s}")
+        self._tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
+        self._routing = routing_state(
+            deployment_key(self._deployment_id.app_name, self._deployment_id.name),
+            block_size=block_size,
+            model_name=model_name,
+            select_timeout_s=select_timeout_s,
+            reservation_ttl_s=reservation_ttl_s,
+            indexer_threads=indexer_threads,
+        )
+
+    @property
+    def routing(self) -> RoutingState:
+        """This deployment's routing state (shared by the routers of this process)."""
+        return self._routing
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._routing.sync(
+            {replica.replica_id.unique_id: replica.routing_stats for replica in replicas},
+            complete=True,
+        )
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._routing.forget(replica_id.unique_id)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None:
+            return [candidate_replicas]
+        started = time.perf_counter()
+        request_id = pending_request.metadata.internal_request_id
+        registering = self._routing.sync(
+            {replica.replica_id.unique_id: replica.routing_stats for replica in candidate_replicas},
+            complete=False,
+        )
+        if registering is not None:
+            await asyncio.wrap_future(registering)
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        try:
+            tokens = prompt_tokens(pending_request.args, pending_request.kwargs, self._tokenizer)
+            if tokens is None:
+                raise NoChoice("no_tokens")
+            workers = self._routing.ready_workers(list(by_id))
+            choice = await self._routing.choose(
+                request_id,
+                tokens,
+                workers,
+                lora_name=prompt_lora_name(
+                    pending_request.kwargs, pending_request.metadata.multiplexed_model_id
+                ),
+            )
+        except NoChoice as no_choice:
+            # Serve's own power of two choices: it needs only the mixins this class has.
+            fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+                cast(PowerOfTwoChoicesRequestRouter, self),
+                candidate_replicas=candidate_replicas,
+                pending_request=pending_request,
+            )
+            self._routing.fallback(request_id, no_choice.reason, time.perf_counter() - started)
+            return fallback
+        # Every rank below holds all candidates: when all are full, back off before retrying.
+        pending_request.routing_context.should_backoff = True
+        ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
+        return [group for group in ranked if group]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._routing.release(internal_request_id)

@@ -1,0 +1,488 @@
+"""The router's state: Dynamo's ``SelectionService``, the replica registry and the reservations.
+
+This lives in a module of its own because Ray pickles a request router's module *by value*: a
+service kept in the router's module would be copied into each process that unpickles the router,
+and the copies would not share registrations or reservations. Functions and classes of this
+module pickle by reference, so every router instance in a process finds the same
+:class:`RoutingState` for its deployment through :func:`routing_state`.
+
+All service calls run on the :class:`~kvbridge.adapters.selection.SelectionClient`'s own loop;
+the router awaits them from its loop with a timeout, so a stalled service delays a decision by
+at most that timeout and never blocks Serve's router loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import itertools
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import structlog
+from dynamo.llm.exceptions import SelectionServiceError
+
+from kvbridge.adapters.dynamo import Overlap
+from kvbridge.adapters.selection import SelectionClient
+from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
+from kvbridge.ray_integration.metrics import RouterMetrics
+
+__all__ = [
+    "Choice",
+    "NoChoice",
+    "RouterStats",
+    "RoutingState",
+    "close_routing_states",
+    "find_routing_state",
+    "routing_state",
+    "worker_id_for",
+]
+
+log = structlog.get_logger("kvbridge.ray.router")
+
+TIER_CREDIT: Final = (1.0, 0.75, 0.25)
+"""Dynamo's credit per matched block on device, host and disk (its default weights)."""
+
+_DECISION_LOG: Final = 10_000
+
+
+def worker_id_for(replica_id: str) -> int:
+    """The Dynamo worker id of a replica: BLAKE2b-64 of its unique id, big-endian.
+
+    Stable across router processes and restarts, and the same id Ray Serve LLM's own KV router
+    derives, so both can share a Dynamo deployment.
+    """
+    digest = hashlib.blake2b(replica_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class NoChoice(Exception):
+    """Dynamo gave no answer; ``reason`` says why (the fallback counter's label)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Dynamo's pick for one request, and the other workers ranked by their overlap."""
+
+    selection_id: str
+    worker_id: int
+    dp_rank: int
+    ranking: list[list[int]]
+    """Groups of worker ids, best first: the pick alone, then the others by overlap credit
+    (equal credit in one group, so that Serve balances among them by queue length)."""
+    overlap: Overlap
+    """The picked worker's overlap, in blocks (cumulative over tiers)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing decision, for :attr:`RouterStats.decisions`."""
+
+    request_id: str
+    replica_id: str | None
+    worker_id: int | None
+    dp_rank: int | None
+    overlap: Overlap | None
+    fallback: str | None
+    latency_s: float
+
+
+@dataclass
+class RouterStats:
+    """What the router did, in this process (the same figures go to Ray's metrics)."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    """``dynamo``, ``fallback`` and ``repeat`` (a retry of a request already reserved)."""
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    """By reason: ``no_tokens``, ``no_workers``, ``timeout``, ``service_error``."""
+    overlap_blocks: Counter[str] = field(default_factory=Counter)
+    """Sum of the picked workers' overlap by tier: ``device``, ``host_pinned``, ``disk``."""
+    registry: Counter[str] = field(default_factory=Counter)
+    """``registered``, ``deregistered``, ``rejected:<why>``, ``late_freed``, ``freed``,
+    ``free_failed``, ``expired``."""
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=_DECISION_LOG))
+
+
+@dataclass
+class _Worker:
+    replica_id: str
+    worker_id: int
+    advert: KVEventsAdvert
+    ready: bool = False
+
+
+@dataclass
+class _Reservation:
+    choice: Choice
+    created: float
+
+
+class RoutingState:
+    """Dynamo's view of one deployment's replicas, in one process.
+
+    Args:
+        deployment: a name for logs and metrics.
+        block_size: the engines' block size; ``None`` pins the first replica's.
+        model_name: Dynamo's model name for the deployment.
+        select_timeout_s: how long a decision may wait for Dynamo before the fallback.
+        reservation_ttl_s: a reservation whose completion never arrives is freed after this.
+        indexer_threads: the service's indexer threads.
+    """
+
+    def __init__(
+        self,
+        deployment: str,
+        *,
+        block_size: int | None = None,
+        model_name: str = "default",
+        select_timeout_s: float = 1.0,
+        reservation_ttl_s: float = 3600.0,
+        indexer_threads: int | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.block_size = block_size
+        self.model_name = model_name
+        self.select_timeout_s = select_timeout_s
+        self.reservation_ttl_s = reservation_ttl_s
+        self.client = SelectionClient(indexer_threads=indexer_threads)
+        self.stats = RouterStats()
+        self.metrics = RouterMetrics(deployment)
+        self._lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}
+        self._rejected: dict[str, str] = {}
+        self._reservations: OrderedDict[str, _Reservation] = OrderedDict()
+        self._selection_ids = itertools.count()
+        self._registry_lock: asyncio.Lock | None = None
+
+    # ------------------------------------------------------------------ registry
+
+    def sync(
+        self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool
+    ) -> concurrent.futures.Future[None] | None:
+        """Bring Dynamo's workers in line with ``replicas`` ({replica id: routing stats}).
+
+        Registers replicas whose advert is new or changed; with ``complete`` (the full set of
+        replicas) also deregisters the ones not listed. Returns the future of the service
+        calls, or ``None`` when nothing changes.
+        """
+        upserts: list[_Worker] = []
+        deletes: list[_Worker] = []
+        with self._lock:
+            for replica_id, stats in replicas.items():
+                advert = self._advert(replica_id, stats)
+                current = self._workers.get(replica_id)
+                if advert is None or (current is not None and current.advert == advert):
+                    continue
+                if current is not None:
+                    deletes.append(current)
+                worker = _Worker(replica_id, worker_id_for(replica_id), advert)
+                self._workers[replica_id] = worker
+                upserts.append(worker)
+            if complete:
+                for replica_id in [r for r in self._workers if r not in replicas]:
+                    deletes.append(self._workers.pop(replica_id))
+                for replica_id in [r for r in self._rejected if r not in replicas]:
+                    del self._rejected[replica_id]
+        if not upserts and not deletes:
+            return None
+        return self.client.run(self._apply_registry(upserts, deletes))
+
+    def forget(self, replica_id: str) -> concurrent.futures.Future[None] | None:
+        """Deregister a replica now (its actor died)."""
+        with self._lock:
+            worker = self._workers.pop(replica_id, None)
+            self._rejected.pop(replica_id, None)
+        if worker is None:
+            return None
+        return self.client.run(self._apply_registry([], [worker]))
+
+    def ready_workers(self, replica_ids: Sequence[str]) -> dict[int, str]:
+        """``{worker_id: replica_id}`` of the given replicas that Dynamo has registered."""
+        with self._lock:
+            return {
+                worker.worker_id: replica_id
+                for replica_id in replica_ids
+                if (worker := self._workers.get(replica_id)) is not None and worker.ready
+            }
+
+    def _advert(self, replica_id: str, stats: Mapping[str, Any] | None) -> KVEventsAdvert | None:
+        try:
+            advert = read_advert(stats)
+        except ValueError as error:
+            self._reject(replica_id, "invalid_advert", str(error))
+            return None
+        if advert is None:
+            return None
+        if self.block_size is None:
+            self.block_size = advert.block_size
+        if advert.block_size != self.block_size:
+            self._reject(
+                replica_id,
+                "block_size",
+                f"replica block size {advert.block_size}, router {self.block_size}",
+            )
+            return None
+        self._rejected.pop(replica_id, None)
+        return advert
+
+    def _reject(self, replica_id: str, reason: str, detail: str) -> None:
+        if self._rejected.get(replica_id) == reason:
+            return
+        self._rejected[replica_id] = reason
+        self.stats.registry[f"rejected:{reason}"] += 1
+        log.warning("replica not registered", replica=replica_id, reason=reason, detail=detail)
+
+    async def _apply_registry(self, upserts: list[_Worker], deletes: list[_Worker]) -> None:
+        if self._registry_lock is None:
+            self._registry_lock = asyncio.Lock()
+        async with self._registry_lock:
+            for worker in deletes:
+                try:
+                    await self.client.service.delete_worker(worker.worker_id)
+                except SelectionServiceError as error:
+                    log.warning("delete_worker failed", replica=worker.replica_id, error=str(error))
+                self.stats.registry["deregistered"] += 1
+                log.info("replica deregistered", replica=worker.replica_id)
+            for worker in upserts:
+                record = await self.client.service.upsert_worker(self._worker_record(worker))
+                with self._lock:
+                    worker.ready = self._workers.get(worker.replica_id) is worker
+                self.stats.registry["registered"] += 1
+                log.info(
+                    "replica registered",
+                    replica=worker.replica_id,
+                    worker_id=worker.worker_id,
+                    endpoints=worker.advert.endpoints,
+                    lifecycle=record.get("lifecycle"),
+                    not_schedulable=record.get("not_schedulable_reasons"),
+                )
+
+    def _worker_record(self, worker: _Worker) -> dict[str, Any]:
+        advert = worker.advert
+        ranks = advert.dp_ranks
+        record: dict[str, Any] = {
+            "worker_id": worker.worker_id,
+            "model_name": self.model_name,
+            "endpoint": f"ray://{worker.replica_id}",
+            "block_size": advert.block_size,
+            "data_parallel_start_rank": ranks[0],
+            "data_parallel_size": len(ranks),
+            "kv_events_endpoints": dict(advert.endpoints),
+        }
+        # Dynamo 1.6 serves replays only to a worker with one dp rank.
+        if len(ranks) == 1 and ranks[0] in advert.replay_endpoints:
+            record["replay_endpoint"] = advert.replay_endpoints[ranks[0]]
+        return record
+
+    # ------------------------------------------------------------------ decisions
+
+    async def choose(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        workers: Mapping[int, str],
+        *,
+        lora_name: str | None = None,
+    ) -> Choice:
+        """Dynamo's pick among ``workers`` ({worker_id: replica_id}), reserved until
+        :meth:`release`. A request that already holds a reservation on one of ``workers`` gets
+        the same choice again (Serve asks again when the pick is full or rejects).
+
+        Raises:
+            NoChoice: no worker, a timeout, or a service error.
+        """
+        started = time.perf_counter()
+        self._expire(time.monotonic())
+        with self._lock:
+            held = self._reservations.get(request_id)
+        if held is not None and held.choice.worker_id in workers:
+            self.stats.outcomes["repeat"] += 1
+            return held.choice
+        if not workers:
+            raise NoChoice("no_workers")
+        selection_id = f"{request_id}:{next(self._selection_ids)}"
+        request: dict[str, Any] = {
+            "token_ids": token_ids,
+            "model_name": self.model_name,
+            "selection_id": selection_id,
+            "allowed_worker_ids": list(workers),
+        }
+        if lora_name:
+            request["lora_name"] = lora_name
+        future = self.client.run(self._select(request))
+        try:
+            choice = await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), self.select_timeout_s
+            )
+        except TimeoutError:
+            future.add_done_callback(self._free_late)
+            raise NoChoice("timeout", f"no answer in {self.select_timeout_s} s") from None
+        except (SelectionServiceError, ValueError) as error:
+            raise NoChoice("service_error", str(error)) from None
+        with self._lock:
+            self._reservations[request_id] = _Reservation(choice, time.monotonic())
+        latency = time.perf_counter() - started
+        self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
+        return choice
+
+    async def _select(self, request: dict[str, Any]) -> Choice:
+        """On the service's loop: select and reserve, and score every allowed worker."""
+        service = self.client.service
+        results: tuple[Any, Any] = await asyncio.gather(
+            service.select_and_reserve(request),
+            service.overlap_scores(
+                {k: request[k] for k in ("token_ids", "model_name", "lora_name") if k in request}
+            ),
+            return_exceptions=True,
+        )
+        selection, scores = results
+        if isinstance(selection, BaseException):
+            raise selection
+        worker_id, dp_rank = int(selection["worker_id"]), int(selection["dp_rank"])
+        credit: dict[int, float] = {}
+        overlap = Overlap(0, 0, 0)
+        if not isinstance(scores, BaseException):
+            for entry in scores["workers"]:
+                tiers = Overlap(
+                    int(entry["device_blocks"]),
+                    int(entry["host_pinned_blocks"]),
+                    int(entry["disk_blocks"]),
+                )
+                wid = int(entry["worker_id"])
+                credit[wid] = max(credit.get(wid, 0.0), _credit(tiers))
+                if wid == worker_id and int(entry["dp_rank"]) == dp_rank:
+                    overlap = tiers
+        others = sorted(
+            (w for w in request["allowed_worker_ids"] if w != worker_id),
+            key=lambda w: -credit.get(w, 0.0),
+        )
+        ranking = [[worker_id]] + [
+            list(group) for _, group in itertools.groupby(others, lambda w: credit.get(w, 0.0))
+        ]
+        return Choice(request["selection_id"], worker_id, dp_rank, ranking, overlap)
+
+    def _free_late(self, future: concurrent.futures.Future[Choice]) -> None:
+        """A selection that answered after its timeout reserved load nobody will use: free it."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        self._free(future.result().selection_id, "late_freed")
+
+    def fallback(self, request_id: str, reason: str, latency_s: float) -> None:
+        """Count a request routed without Dynamo."""
+        self._record(request_id, None, None, reason, latency_s)
+
+    def _record(
+        self,
+        request_id: str,
+        replica_id: str | None,
+        choice: Choice | None,
+        fallback: str | None,
+        latency_s: float,
+    ) -> None:
+        if choice is None:
+            assert fallback is not None
+            self.stats.outcomes["fallback"] += 1
+            self.stats.fallbacks[fallback] += 1
+        else:
+            self.stats.outcomes["dynamo"] += 1
+            overlap = choice.overlap
+            self.stats.overlap_blocks["device"] += overlap.device
+            self.stats.overlap_blocks["host_pinned"] += overlap.host_pinned
+            self.stats.overlap_blocks["disk"] += overlap.disk
+        self.metrics.record(choice.overlap if choice else None, fallback, latency_s)
+        self.stats.decisions.append(
+            Decision(
+                request_id=request_id,
+                replica_id=replica_id,
+                worker_id=choice.worker_id if choice else None,
+                dp_rank=choice.dp_rank if choice else None,
+                overlap=choice.overlap if choice else None,
+                fallback=fallback,
+                latency_s=latency_s,
+            )
+        )
+
+    # ------------------------------------------------------------------ reservations
+
+    def release(self, request_id: str) -> None:
+        """Free the request's reservation (its attempt completed). Idempotent."""
+        with self._lock:
+            held = self._reservations.pop(request_id, None)
+        if held is not None:
+            self._free(held.choice.selection_id, "freed")
+
+    @property
+    def reservations(self) -> int:
+        """Reservations this state holds and has not freed."""
+        with self._lock:
+            return len(self._reservations)
+
+    def _expire(self, now: float) -> None:
+        expired: list[str] = []
+        with self._lock:
+            while self._reservations:
+                request_id, held = next(iter(self._reservations.items()))
+                if now - held.created < self.reservation_ttl_s:
+                    break
+                del self._reservations[request_id]
+                expired.append(held.choice.selection_id)
+        for selection_id in expired:
+            self._free(selection_id, "expired")
+
+    def _free(self, selection_id: str, outcome: str) -> None:
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                self.stats.registry["free_failed"] += 1
+                log.warning("free_reservation failed", selection_id=selection_id)
+            else:
+                self.stats.registry[outcome] += 1
+
+        self.client.submit("free_reservation", selection_id).add_done_callback(done)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _credit(overlap: Overlap) -> float:
+    device, host, disk = overlap.device, overlap.host_pinned, overlap.disk
+    return (
+        TIER_CREDIT[0] * device + TIER_CREDIT[1] * (host - device) + TIER_CREDIT[2] * (disk - host)
+    )
+
+
+_STATES: dict[str, RoutingState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def routing_state(deployment: str, **options: Any) -> RoutingState:
+    """The process's :class:`RoutingState` for ``deployment``, created on first use with
+    ``options`` (later callers share it, whatever options they pass)."""
+    with _STATES_LOCK:
+        state = _STATES.get(deployment)
+        if state is None:
+            state = _STATES[deployment] = RoutingState(deployment, **options)
+        return state
+
+
+def find_routing_state(deployment: str) -> RoutingState | None:
+    """The process's state for ``deployment`` (``"app#deployment"``), if a router made one."""
+    with _STATES_LOCK:
+        return _STATES.get(deployment)
+
+
+def close_routing_states() -> None:
+    """Shut down every state's service (e.g. between test runs in one process)."""
+    with _STATES_LOCK:
+        states = list(_STATES.values())
+        _STATES.clear()
+    for state in states:
+        state.close()

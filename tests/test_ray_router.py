@@ -1,0 +1,301 @@
+"""DynamoKVRouter in a real local Ray Serve: session affinity, replica death, the CPU tier and
+the fallback.
+
+Three replicas run a SimulatedEngine each (GPU pool of 48 blocks, CPU tier of 2,048, block size
+16) behind their own relay; the router's real Dynamo SelectionService subscribes to the relays.
+The workload is 30 sessions of 4 turns: each session starts with its own 80-160 token prompt, and
+every turn appends the previous answer and 24-56 new tokens. A turn waits for the previous turn
+of its session; sessions run three at a time.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+from support.ray_apps import SimulatedReplica, ray_session  # noqa: E402
+
+from kvbridge.ray_integration import (  # noqa: E402
+    DynamoKVRouter,
+    RoutingState,
+    find_routing_state,
+    worker_id_for,
+)
+from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
+
+BLOCK_SIZE = 16
+GPU_BLOCKS = 128  # room for about 3 sessions per replica: the rest goes to CPU
+CPU_BLOCKS = 2048
+SESSIONS = 30
+TURNS = 4
+MAX_TOKENS = 8
+CONCURRENCY = 1
+APP = "kv"
+DEPLOYMENT = "Engine"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    with ray_session():
+        yield
+    close_routing_states()
+
+
+def deploy(
+    router: type | None, *, app: str = APP, select_timeout_s: float = 1.0, num_replicas: int = 3
+) -> Any:
+    """Run the app: ``router=None`` keeps Serve's default (power of two choices). Serve keeps
+    one router per deployment per process, so each router needs an app name of its own."""
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT,
+        "num_replicas": num_replicas,
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": 8,
+    }
+    if router is not None:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router,
+            request_router_kwargs={"block_size": BLOCK_SIZE, "select_timeout_s": select_timeout_s},
+            request_routing_stats_period_s=0.5,
+        )
+    bound = serve.deployment(**options)(SimulatedReplica).bind(
+        block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS
+    )
+    return serve.run(bound, name=app, route_prefix=None)
+
+
+def routing_state(app: str = APP) -> RoutingState:
+    state = find_routing_state(f"{app}#{DEPLOYMENT}")
+    assert state is not None, "no router has run in this process"
+    return state
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def wait_registered(handle: Any, replicas: set[str], app: str = APP) -> RoutingState:
+    """Until Dynamo has every replica in ``replicas`` (requests without tokens drive the router's
+    registry, and are counted as ``no_tokens`` fallbacks)."""
+
+    def registered() -> bool:
+        handle.remote().result()
+        return set(routing_state(app).ready_workers(sorted(replicas)).values()) == replicas
+
+    wait_until(registered, what=f"replicas {sorted(replicas)} registered")
+    return routing_state(app)
+
+
+def replica_ids(handle: Any, count: int) -> set[str]:
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(seen) < count and time.monotonic() < deadline:
+        seen.add(handle.remote().result()["replica"])
+    assert len(seen) == count, f"saw replicas {seen}"
+    return seen
+
+
+@dataclass
+class Session:
+    tokens: list[int]
+    rng: random.Random
+    replicas: list[str] = field(default_factory=list)
+    answers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sessions(seed: int) -> list[Session]:
+    rng = random.Random(seed)
+    out = []
+    for index in range(SESSIONS):
+        length = rng.randrange(80, 161)
+        out.append(Session([rng.randrange(1, 30_000) for _ in range(length)], random.Random(index)))
+    return out
+
+
+def run_turn(handle: Any, session: Session) -> None:
+    if session.answers:  # a follow-up: the previous answer and a new user message
+        session.tokens = session.tokens + session.answers[-1]["output"]
+        session.tokens += [
+            session.rng.randrange(1, 30_000) for _ in range(session.rng.randrange(24, 57))
+        ]
+    answer = handle.remote(prompt_token_ids=session.tokens, max_tokens=MAX_TOKENS).result()
+    session.answers.append(answer)
+    session.replicas.append(answer["replica"])
+
+
+def run_workload(
+    handle: Any, work: list[Session], turns: range, between: Callable[[int], None] | None = None
+) -> None:
+    with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
+        for turn in turns:
+            list(pool.map(lambda s: run_turn(handle, s), work))
+            if between is not None:
+                between(turn)
+
+
+def affinity(work: list[Session]) -> tuple[int, int]:
+    """(follow-ups on the replica that served the session's previous turn, follow-ups)."""
+    stayed = sum(
+        s.replicas[turn] == s.replicas[turn - 1] for s in work for turn in range(1, len(s.replicas))
+    )
+    return stayed, sum(len(s.replicas) - 1 for s in work)
+
+
+@dataclass
+class AffinityRun:
+    sessions: list[Session]
+    pow2_sessions: list[Session]
+    decisions: list[Any]
+    """The router's decisions for the workload, in request order (turn by turn)."""
+    state: RoutingState
+
+
+@pytest.fixture(scope="module")
+def affinity_run(ray_cluster: None) -> Iterator[AffinityRun]:
+    """The workload through power of two choices, then through DynamoKVRouter."""
+    handle = deploy(None, app="pow2")
+    pow2 = sessions(seed=7)
+    run_workload(handle, pow2, range(TURNS))
+    serve.delete("pow2")
+
+    handle = deploy(DynamoKVRouter)
+    state = wait_registered(handle, replica_ids(handle, 3))
+    first = len(state.stats.decisions)
+    work = sessions(seed=7)
+    run_workload(handle, work, range(TURNS))
+    decisions = list(state.stats.decisions)[first:]
+    yield AffinityRun(work, pow2, decisions, state)
+    serve.delete(APP)
+
+
+def test_session_affinity_against_power_of_two(affinity_run: AffinityRun) -> None:
+    work, state = affinity_run.sessions, affinity_run.state
+    stayed, follow_ups = affinity(work)
+    pow2_stayed, _ = affinity(affinity_run.pow2_sessions)
+    print(
+        f"\nfollow-up turns on the replica holding the session's prefix: DynamoKVRouter "
+        f"{stayed}/{follow_ups} = {stayed / follow_ups:.1%}, power of two choices "
+        f"{pow2_stayed}/{follow_ups} = {pow2_stayed / follow_ups:.1%}"
+    )
+    assert follow_ups == SESSIONS * (TURNS - 1)
+    assert stayed / follow_ups >= 0.95
+    # Every follow-up that stayed found its history cached, on the GPU or in the CPU tier.
+    for session in work:
+        for turn in range(1, TURNS):
+            if session.replicas[turn] == session.replicas[turn - 1]:
+                answer = session.answers[turn]
+                assert answer["gpu_hit"] + answer["cpu_hit"] > 0, (session.replicas, answer)
+    decisions = affinity_run.decisions
+    assert len(decisions) == SESSIONS * TURNS
+    assert all(d.fallback is None for d in decisions)
+    assert [d.replica_id for d in decisions] == [
+        s.replicas[turn] for turn in range(TURNS) for s in work
+    ]
+    wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
+    assert state.reservations == 0
+
+
+def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -> None:
+    """The GPU pool holds three sessions' worth of blocks, so by a session's next turn its
+    history has been evicted to the CPU tier: Dynamo sees it as host_pinned overlap only, and
+    still sends the session back."""
+    work, decisions = affinity_run.sessions, affinity_run.decisions
+    from_cpu = []
+    for index, decision in enumerate(decisions):
+        turn, session = divmod(index, SESSIONS)
+        answer = work[session].answers[turn]
+        if turn and answer["gpu_hit"] == 0 and answer["cpu_hit"] > 0:
+            from_cpu.append((decision, work[session], turn, answer))
+    assert len(from_cpu) >= 10, f"only {len(from_cpu)} follow-ups found their prefix on CPU"
+    for decision, session, turn, answer in from_cpu:
+        assert session.replicas[turn] == session.replicas[turn - 1]
+        assert decision.overlap.device == 0
+        # The engine loads whole blocks from CPU; Dynamo saw at least those on host_pinned.
+        assert decision.overlap.host_pinned >= answer["cpu_hit"] // BLOCK_SIZE > 0
+    stats = affinity_run.state.stats.overlap_blocks
+    print(f"\n{len(from_cpu)} follow-ups served from the CPU tier; overlap blocks: {dict(stats)}")
+    assert stats["host_pinned"] == sum(d.overlap.host_pinned for d in decisions)
+    assert stats["device"] == sum(d.overlap.device for d in decisions)
+    assert stats["host_pinned"] > stats["device"]
+
+
+def test_replica_death_moves_its_sessions(ray_cluster: None) -> None:
+    """A replica is killed between turns 2 and 3: its sessions go to the others, every request
+    succeeds, and Dynamo no longer lists the dead worker."""
+    handle = deploy(DynamoKVRouter, app="death")
+    replicas = replica_ids(handle, 3)
+    state = wait_registered(handle, replicas, app="death")
+    work = sessions(seed=11)[:12]
+    run_workload(handle, work, range(2))
+    by_replica = {r: [s for s in work if s.replicas[-1] == r] for r in replicas}
+    victim = max(by_replica, key=lambda r: len(by_replica[r]))
+    moved = by_replica[victim]
+    assert moved, "no session on any replica"
+    ray.kill(ray.get_actor(moved[0].answers[-1]["actor"], namespace="serve"), no_restart=True)
+    dead = worker_id_for(victim)
+
+    def dead_gone() -> bool:
+        return all(int(w["worker_id"]) != dead for w in state.client.service.list_workers())
+
+    run_workload(handle, work, range(2, TURNS))  # raises if any request fails
+    wait_until(dead_gone, what="the dead worker deregistered")
+    assert all(len(s.answers) == TURNS for s in work)
+    for session in moved:
+        assert victim not in session.replicas[2:], session.replicas
+    kept = [s for s in work if s not in moved]
+    stayed = sum(s.replicas[2] == s.replicas[1] for s in kept)
+    restuck = sum(s.replicas[3] == s.replicas[2] for s in moved)
+    print(
+        f"\n{len(moved)} sessions moved off the killed replica {victim}, {restuck} stayed on "
+        f"their new replica for the next turn; {stayed}/{len(kept)} others kept their replica; "
+        f"registry counters {dict(state.stats.registry)}"
+    )
+    assert state.stats.registry["deregistered"] >= 1
+    wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
+    serve.delete("death")
+
+
+def test_fallback_without_tokens_or_answer(ray_cluster: None) -> None:
+    """Requests without tokens, and requests while the selection service is stalled, complete
+    through power of two choices; each fallback is counted by reason, and the reservations the
+    stalled service makes late are freed."""
+    handle = deploy(DynamoKVRouter, app="fallback", select_timeout_s=0.3)
+    replicas = replica_ids(handle, 3)
+    state = wait_registered(handle, replicas, app="fallback")
+    before = state.stats.fallbacks.copy()
+
+    answers = [handle.remote().result() for _ in range(5)]
+    assert {a["replica"] for a in answers} <= replicas
+    assert state.stats.fallbacks["no_tokens"] - before["no_tokens"] == 5
+
+    prompts = [[1000 + i] * 40 for i in range(4)]
+    state.client.loop.call_soon_threadsafe(time.sleep, 3.0)  # the service's loop hangs for 3 s
+    stalled = time.monotonic()
+    answers = [handle.remote(prompt_token_ids=p, max_tokens=2).result() for p in prompts]
+    assert time.monotonic() - stalled < 3.0, "the requests waited for the stalled service"
+    assert all(len(a["output"]) == 2 for a in answers)
+    assert state.stats.fallbacks["timeout"] - before["timeout"] == 4
+    assert state.stats.outcomes["fallback"] == sum(state.stats.fallbacks.values())
+    wait_until(lambda: state.stats.registry["late_freed"] == 4, what="late reservations freed")
+    assert state.client.active_reservations() == 0
+
+    # Once the service answers again, requests go through Dynamo.
+    dynamo_before = state.stats.outcomes["dynamo"]
+    handle.remote(prompt_token_ids=prompts[0], max_tokens=2).result()
+    assert state.stats.outcomes["dynamo"] == dynamo_before + 1
+    wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
+    serve.delete("fallback")
