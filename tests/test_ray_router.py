@@ -23,12 +23,12 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from ray.serve.config import RequestRouterConfig  # noqa: E402
-from support.ray_apps import SimulatedReplica, ray_session  # noqa: E402
+from support import ray_apps  # noqa: E402
+from support.ray_apps import SimulatedReplica, ray_session, replica_ids, wait_until  # noqa: E402
 
 from kvbridge.ray_integration import (  # noqa: E402
     DynamoKVRouter,
     RoutingState,
-    find_routing_state,
     worker_id_for,
 )
 from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
@@ -75,38 +75,11 @@ def deploy(
 
 
 def routing_state(app: str = APP) -> RoutingState:
-    state = find_routing_state(f"{app}#{DEPLOYMENT}")
-    assert state is not None, "no router has run in this process"
-    return state
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    return ray_apps.routing_state(app, DEPLOYMENT)
 
 
 def wait_registered(handle: Any, replicas: set[str], app: str = APP) -> RoutingState:
-    """Until Dynamo has every replica in ``replicas`` (requests without tokens drive the router's
-    registry, and are counted as ``no_tokens`` fallbacks)."""
-
-    def registered() -> bool:
-        handle.remote().result()
-        return set(routing_state(app).ready_workers(sorted(replicas)).values()) == replicas
-
-    wait_until(registered, what=f"replicas {sorted(replicas)} registered")
-    return routing_state(app)
-
-
-def replica_ids(handle: Any, count: int) -> set[str]:
-    seen: set[str] = set()
-    deadline = time.monotonic() + 30
-    while len(seen) < count and time.monotonic() < deadline:
-        seen.add(handle.remote().result()["replica"])
-    assert len(seen) == count, f"saw replicas {seen}"
-    return seen
+    return ray_apps.wait_registered(handle, replicas, app, DEPLOYMENT)
 
 
 @dataclass

@@ -14,16 +14,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
 from dynamo.llm import SelectionService
 
-__all__ = ["SelectionClient"]
+__all__ = ["TUNING_ENV", "SelectionClient"]
 
 DEFAULT_CALL_TIMEOUT_S: Final = 10.0
+
+TUNING_ENV: Final = {
+    "prefill_load_scale": "DYN_ROUTER_PREFILL_LOAD_SCALE",
+    "overlap_score_credit": "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
+    "overlap_score_credit_decay": "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
+    "decode_active_request_weight": "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",
+    "host_cache_hit_weight": "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",
+}
+"""Dynamo's router weights, by the environment variable it reads them from when a service is
+created (version 1.6 ignores them in a request's ``router_config_override``)."""
+
+_ENV_LOCK: Final = threading.Lock()
 
 _T = TypeVar("_T")
 
@@ -33,11 +47,25 @@ class SelectionClient:
 
     Args:
         indexer_threads: the service's indexer threads (Dynamo's default is 4).
+        tuning: Dynamo's router weights for this service, by the names of :data:`TUNING_ENV`
+            (e.g. ``{"prefill_load_scale": 2.0}``); unnamed weights keep Dynamo's defaults or
+            the process environment's ``DYN_ROUTER_*`` values.
+
+    Raises:
+        ValueError: ``tuning`` names an unknown weight.
 
     Use it as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, *, indexer_threads: int | None = None) -> None:
+    def __init__(
+        self, *, indexer_threads: int | None = None, tuning: Mapping[str, float] | None = None
+    ) -> None:
+        env = {}
+        for name, value in (tuning or {}).items():
+            if name not in TUNING_ENV:
+                known = ", ".join(sorted(TUNING_ENV))
+                raise ValueError(f"unknown Dynamo router weight {name!r} (known: {known})")
+            env[TUNING_ENV[name]] = str(float(value))
         self.loop: Final = asyncio.new_event_loop()
         """The loop every service call runs on (its thread is a daemon)."""
         self._thread = threading.Thread(
@@ -51,7 +79,9 @@ class SelectionClient:
                 return SelectionService()
             return SelectionService(indexer_threads=indexer_threads)
 
-        self.service: Final[Any] = self.run(create()).result(DEFAULT_CALL_TIMEOUT_S)
+        # The service reads its weights from the environment once, when it is created.
+        with _ENV_LOCK, _environment(env):
+            self.service: Final[Any] = self.run(create()).result(DEFAULT_CALL_TIMEOUT_S)
 
     def submit(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
         """Start ``service.<method>(*args)`` on the service's loop; the future gets its result."""
@@ -119,3 +149,18 @@ class SelectionClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables, and restore the previous values after."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

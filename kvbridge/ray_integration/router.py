@@ -17,6 +17,7 @@ import asyncio
 import time
 from typing import Any, cast
 
+from ray.serve._private.replica_result import ReplicaResult
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
     LocalityMixin,
@@ -65,6 +66,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         reservation_ttl_s: float = 3600.0,
         tokenizer: str | None = None,
         indexer_threads: int | None = None,
+        tuning: dict[str, float] | None = None,
         **unknown: Any,
     ) -> None:
         """Read ``request_router_kwargs``.
@@ -78,6 +80,8 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             tokenizer: ``"package.module:function"`` turning a request body with a text prompt
                 or chat messages into token ids.
             indexer_threads: Dynamo's indexer threads.
+            tuning: Dynamo's router weights by name, e.g. ``{"prefill_load_scale": 2.0}``
+                (see :data:`kvbridge.adapters.selection.TUNING_ENV`).
 
         Raises:
             TypeError: an unknown keyword (a typo in ``request_router_kwargs``).
@@ -97,6 +101,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             select_timeout_s=select_timeout_s,
             reservation_ttl_s=reservation_ttl_s,
             indexer_threads=indexer_threads,
+            tuning=tuning,
         )
 
     @property
@@ -157,6 +162,17 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         pending_request.routing_context.should_backoff = True
         ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
         return [group for group in ranked if group]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        self._routing.routed(request_id, replica_id.unique_id)
+        # Serve's own completion callback reaches on_request_completed through the router's
+        # loop, often after the caller already has the answer and has sent its next request,
+        # which Dynamo would then see next to a finished one. This callback runs on the thread
+        # that completes the result.
+        result.add_done_callback(lambda _: self._routing.release(request_id))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._routing.release(internal_request_id)

@@ -107,8 +107,8 @@ class RouterStats:
     overlap_blocks: Counter[str] = field(default_factory=Counter)
     """Sum of the picked workers' overlap by tier: ``device``, ``host_pinned``, ``disk``."""
     registry: Counter[str] = field(default_factory=Counter)
-    """``registered``, ``deregistered``, ``rejected:<why>``, ``late_freed``, ``freed``,
-    ``free_failed``, ``expired``."""
+    """``registered``, ``deregistered``, ``rejected:<why>``, ``freed``, ``late_freed`` (after a
+    timeout), ``moved`` (to the replica Serve used), ``expired``, ``free_failed``."""
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=_DECISION_LOG))
 
 
@@ -124,6 +124,8 @@ class _Worker:
 class _Reservation:
     choice: Choice
     created: float
+    token_ids: list[int]
+    lora_name: str | None
 
 
 class RoutingState:
@@ -136,6 +138,7 @@ class RoutingState:
         select_timeout_s: how long a decision may wait for Dynamo before the fallback.
         reservation_ttl_s: a reservation whose completion never arrives is freed after this.
         indexer_threads: the service's indexer threads.
+        tuning: Dynamo's router weights (see :data:`kvbridge.adapters.selection.TUNING_ENV`).
     """
 
     def __init__(
@@ -147,13 +150,14 @@ class RoutingState:
         select_timeout_s: float = 1.0,
         reservation_ttl_s: float = 3600.0,
         indexer_threads: int | None = None,
+        tuning: Mapping[str, float] | None = None,
     ) -> None:
         self.deployment = deployment
         self.block_size = block_size
         self.model_name = model_name
         self.select_timeout_s = select_timeout_s
         self.reservation_ttl_s = reservation_ttl_s
-        self.client = SelectionClient(indexer_threads=indexer_threads)
+        self.client = SelectionClient(indexer_threads=indexer_threads, tuning=tuning)
         self.stats = RouterStats()
         self.metrics = RouterMetrics(deployment)
         self._lock = threading.Lock()
@@ -329,7 +333,9 @@ class RoutingState:
         except (SelectionServiceError, ValueError) as error:
             raise NoChoice("service_error", str(error)) from None
         with self._lock:
-            self._reservations[request_id] = _Reservation(choice, time.monotonic())
+            self._reservations[request_id] = _Reservation(
+                choice, time.monotonic(), token_ids, lora_name
+            )
         latency = time.perf_counter() - started
         self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
         return choice
@@ -412,6 +418,38 @@ class RoutingState:
         )
 
     # ------------------------------------------------------------------ reservations
+
+    def routed(self, request_id: str, replica_id: str) -> None:
+        """Serve placed the request on ``replica_id``. If that is not Dynamo's pick (the pick was
+        full and Serve took a replica of a lower rank), move the reservation there, so that
+        Dynamo books the load where it is."""
+        with self._lock:
+            held = self._reservations.get(request_id)
+            worker = self._workers.get(replica_id)
+            if held is None or worker is None or held.choice.worker_id == worker.worker_id:
+                return
+            selection_id = f"{request_id}:{next(self._selection_ids)}"
+            moved = Choice(
+                selection_id,
+                worker.worker_id,
+                worker.advert.dp_ranks[0],
+                held.choice.ranking,
+                Overlap(0, 0, 0),
+            )
+            self._reservations[request_id] = _Reservation(
+                moved, held.created, held.token_ids, held.lora_name
+            )
+        self._free(held.choice.selection_id, "moved")
+        request: dict[str, Any] = {
+            "selection_id": selection_id,
+            "model_name": self.model_name,
+            "worker_id": moved.worker_id,
+            "dp_rank": moved.dp_rank,
+            "token_ids": held.token_ids,
+        }
+        if held.lora_name:
+            request["lora_name"] = held.lora_name
+        self.client.submit("create_reservation", request)
 
     def release(self, request_id: str) -> None:
         """Free the request's reservation (its attempt completed). Idempotent."""

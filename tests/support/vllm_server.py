@@ -182,6 +182,9 @@ class VllmServer:
     """vLLM's OpenAI API server with KV events on ``events_port`` (replay ROUTER on
     ``replay_port``), block size 32 and a 64-block pool. Its log goes to ``log_path``.
 
+    ``events_host`` ``"*"`` (the default) makes vLLM bind its PUB socket on every interface; a
+    loopback address makes it connect to a subscriber that binds there (a relay).
+
     Construction only starts the process; call :meth:`wait_healthy`.
     """
 
@@ -194,6 +197,7 @@ class VllmServer:
         events_port: int,
         replay_port: int,
         log_path: Path,
+        events_host: str = "*",
     ) -> None:
         self.model = str(model_dir)
         self.http_port = http_port
@@ -204,8 +208,8 @@ class VllmServer:
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "endpoint": f"tcp://{events_host}:{events_port}",
+            "replay_endpoint": f"tcp://{events_host}:{replay_port}",
             "topic": "kv-events",
         }
         command = [
