@@ -11,7 +11,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Final, cast
 
 import xxhash
 
@@ -19,6 +19,7 @@ __all__ = [
     "DYNAMO_SEED",
     "block_seed",
     "engine_hash_u64",
+    "engine_hashes_u64",
     "pack_tokens",
     "sequence_hash",
     "sequence_hashes",
@@ -45,6 +46,18 @@ def engine_hash_u64(value: int | bytes) -> int:
     return int.from_bytes(value[-8:], "big")
 
 
+def engine_hashes_u64(values: Sequence[int | bytes]) -> list[int]:
+    """:func:`engine_hash_u64` of each value: one list comprehension when they share a form,
+    as an engine's hashes do (though an offload tier may send bytes where the GPU sent ints)."""
+    from_bytes = int.from_bytes
+    try:
+        if values and isinstance(values[0], bytes):
+            return [from_bytes(value[-8:], "big") for value in cast("Sequence[bytes]", values)]
+        return [value & U64_MASK for value in cast("Sequence[int]", values)]
+    except TypeError:  # both forms in one list
+        return [engine_hash_u64(value) for value in values]
+
+
 def block_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
     """The XXH3 seed of Dynamo's tokens_hash: 1337, plus the LoRA name and cache salt terms."""
     seed = DYNAMO_SEED
@@ -57,7 +70,8 @@ def block_seed(lora_name: str | None = None, cache_salt: str | None = None) -> i
 
 def pack_tokens(token_ids: Iterable[int]) -> bytes:
     """Tokens as consecutive little-endian u32, the byte form Dynamo hashes."""
-    packed = array("I", token_ids)
+    packed = array("I")
+    packed.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
     if sys.byteorder == "big":  # pragma: no cover - every supported host is little-endian
         packed.byteswap()
     return packed.tobytes()

@@ -11,21 +11,23 @@ are resolved through a per-rank map from engine hash to canonical block.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any, Final
 
+import msgspec
 import structlog
 import xxhash
 
 from kvbridge.normalizers.hashing import (
     DYNAMO_SALT_PREFIX,
     DYNAMO_SEED,
-    U64_MASK,
     block_seed,
     engine_hash_u64,
+    engine_hashes_u64,
     pack_tokens,
     tokens_hash,
 )
@@ -38,7 +40,7 @@ from kvbridge.schemas.dynamo import (
     StoredData,
 )
 from kvbridge.schemas.tiers import Tier, TieredEvent
-from kvbridge.schemas.vllm import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
+from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch
 
 __all__ = ["MAIN_ATTENTION_KINDS", "DropReason", "Normalizer"]
 
@@ -48,6 +50,8 @@ MAIN_ATTENTION_KINDS: Final = frozenset(("full_attention", "mla_attention", "sin
 _TIERS: Final = tuple(Tier)
 _xxh3_64 = xxhash.xxh3_64_intdigest
 _pair = struct.Struct("<QQ").pack
+_removal_admission = operator.attrgetter("medium", "locality", "group_idx")
+_block_hashes = operator.attrgetter("block_hashes")
 
 
 class DropReason:
@@ -71,26 +75,19 @@ class DropReason:
     """Not a drop: unknown trailing positions or map keys the decoder ignored."""
 
 
-class _Block:
-    """What one engine hash stands for: a canonical block and the inputs of its hashes."""
+class _Block(msgspec.Struct, gc=False):
+    """What one engine hash stands for: a canonical block and the inputs of its hashes.
 
-    __slots__ = ("cache_salt", "canonical", "lora_name", "parent", "tokens", "tokens_hash")
+    A struct without garbage-collector tracking (it holds only ints, bytes and strings): one is
+    made for every new block, so it is built in C.
+    """
 
-    def __init__(
-        self,
-        canonical: int,
-        tokens_hash: int,
-        parent: int | None,
-        tokens: bytes,
-        lora_name: str | None,
-        cache_salt: str | None,
-    ) -> None:
-        self.canonical = canonical
-        self.tokens_hash = tokens_hash
-        self.parent = parent
-        self.tokens = tokens
-        self.lora_name = lora_name
-        self.cache_salt = cache_salt
+    canonical: int
+    tokens_hash: int
+    parent: int | None
+    tokens: bytes
+    lora_name: str | None
+    cache_salt: str | None
 
 
 _Verdict = tuple[Tier | None, str | None]
@@ -100,15 +97,13 @@ _Verdict = tuple[Tier | None, str | None]
 class _Rank:
     """The state of one dp_rank's stream."""
 
-    __slots__ = ("admission", "blocks", "cleared", "group_kinds", "presence", "refs", "retired")
+    __slots__ = ("admission", "blocks", "cleared", "group_kinds", "refs", "retired")
 
     def __init__(self) -> None:
         self.blocks: dict[int, _Block] = {}
         self.retired: OrderedDict[int, _Block] = OrderedDict()
-        self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
+        self.refs: dict[Tier, dict[int, int]] = {tier: {} for tier in _TIERS}
         """Per tier: canonical block → reference count."""
-        self.presence: dict[int, int] = {}
-        """Canonical block → number of tiers it is resident on."""
         self.group_kinds: dict[int, str] = {}
         self.admission: dict[tuple[str | None, str | None, int | None, str | None], _Verdict] = {}
         """Verdicts by (medium, locality, group_idx, kind): a few distinct keys per stream."""
@@ -186,25 +181,29 @@ class Normalizer:
         out: list[TieredEvent] = []
         gone: list[int] = []
         gone_tier: Tier | None = None
-        for event in batch.events:
-            if isinstance(event, BlockRemoved):
-                tier = self._admit(rank, event, "removed", None)
-                if tier is None:
-                    continue
-                if tier is not gone_tier and gone:
-                    out.append(self._removal(dp_rank, event_id, gone_tier, gone))
-                    gone = []
-                gone_tier = tier
-                self._removed(rank, tier, event, gone)
+        # vLLM sends one BlockRemoved per evicted GPU block: a run of consecutive removals of
+        # one medium, locality and group is admitted once and processed in one pass.
+        for event_type, events in itertools.groupby(batch.events, type):
+            if issubclass(event_type, BlockRemoved):
+                for (medium, locality, group), run in itertools.groupby(events, _removal_admission):
+                    hashes = list(itertools.chain.from_iterable(map(_block_hashes, run)))
+                    tier = self._admit(rank, "removed", len(hashes), medium, locality, group, None)
+                    if tier is None:
+                        continue
+                    if tier is not gone_tier and gone:
+                        out.append(self._removal(dp_rank, event_id, gone_tier, gone))
+                        gone = []
+                    gone_tier = tier
+                    self._removed(rank, tier, medium, hashes, gone)
                 continue
             if gone:
                 out.append(self._removal(dp_rank, event_id, gone_tier, gone))
                 gone = []
-            if isinstance(event, BlockStored):
-                self._stored(rank, dp_rank, event_id, event, out)
-            else:
-                assert isinstance(event, AllBlocksCleared)
-                out.extend(self._clear(rank, dp_rank, event_id))
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self._stored(rank, dp_rank, event_id, event, out)
+                else:
+                    out.extend(self._clear(rank, dp_rank, event_id))
         if gone:
             out.append(self._removal(dp_rank, event_id, gone_tier, gone))
         return out
@@ -242,7 +241,7 @@ class Normalizer:
     def resident_blocks(self, dp_rank: int, tier: Tier) -> int:
         """How many distinct blocks are resident on one tier of one rank."""
         rank = self._ranks.get(dp_rank)
-        return 0 if rank is None else len(rank.refs[_TIERS.index(tier)])
+        return 0 if rank is None else len(rank.refs[tier])
 
     # -- admission --------------------------------------------------------------------------
 
@@ -253,18 +252,25 @@ class Normalizer:
             self._log.warning("event dropped", reason=reason, **context)
 
     def _admit(
-        self, rank: _Rank, event: BlockStored | BlockRemoved, kind: str, spec: str | None
+        self,
+        rank: _Rank,
+        kind: str,
+        blocks: int,
+        medium: str | None,
+        locality: str | None,
+        group: int | None,
+        spec: str | None,
     ) -> Tier | None:
-        """The event's tier, or ``None`` after counting why the event is not indexed.
+        """The tier of an event of this medium, locality, group and kind, or ``None`` after
+        counting why its ``blocks`` are not indexed.
 
         ``spec`` is a store's ``kv_cache_spec_kind``; it teaches the rank its groups' kinds,
         which removals (that carry only ``group_idx``) are filtered by.
         """
-        group = event.group_idx
         if spec is not None and group is not None and rank.group_kinds.get(group) != spec:
             rank.group_kinds[group] = spec
             rank.admission.clear()
-        key = (event.medium, event.locality, group, spec)
+        key = (medium, locality, group, spec)
         verdict = rank.admission.get(key)
         if verdict is None:
             verdict = rank.admission[key] = self._judge(rank, *key)
@@ -274,9 +280,9 @@ class Normalizer:
                 kind,
                 tier,
                 reason,
-                len(event.block_hashes),
-                medium=event.medium,
-                locality=event.locality,
+                blocks,
+                medium=medium,
+                locality=locality,
                 group_idx=group,
                 spec_kind=spec,
             )
@@ -314,14 +320,22 @@ class Normalizer:
     def _stored(
         self, rank: _Rank, dp_rank: int, event_id: int, event: BlockStored, out: list[TieredEvent]
     ) -> None:
-        tier = self._admit(rank, event, "stored", event.kv_cache_spec_kind)
+        tier = self._admit(
+            rank,
+            "stored",
+            len(event.block_hashes),
+            event.medium,
+            event.locality,
+            event.group_idx,
+            event.kv_cache_spec_kind,
+        )
         if tier is None:
             return
         blocks: list[_Block] | None
         if event.is_placeholder:
             blocks = []
-            for engine_hash in event.block_hashes:
-                block = rank.revive(engine_hash_u64(engine_hash))
+            for key in engine_hashes_u64(event.block_hashes):
+                block = rank.revive(key)
                 if block is None:
                     reason = DropReason.UNRESOLVED_PLACEHOLDER
                     self._drop("stored", tier, reason, 1, medium=event.medium)
@@ -362,19 +376,17 @@ class Normalizer:
             parent, salt = parent_block.canonical, parent_block.cache_salt
             lora_name = lora_name or parent_block.lora_name
         width = self.block_size * 4
-        packed = pack_tokens(event.token_ids[: len(event.block_hashes) * self.block_size])
+        packed = b""  # the event's tokens as Dynamo hashes them, packed for its first new block
         extra_keys = event.extra_keys or ()
         seed = self._seed(lora_name, salt)
         live, retired = rank.blocks, rank.retired
         blocks = []
-        for index, engine_hash in enumerate(event.block_hashes):
-            key = (
-                engine_hash & U64_MASK if type(engine_hash) is int else engine_hash_u64(engine_hash)
-            )
+        for index, key in enumerate(engine_hashes_u64(event.block_hashes)):
             block = live.get(key)
             if block is None and (block := retired.pop(key, None)) is not None:
                 live[key] = block  # known, then evicted from every tier: live again
             if block is None:
+                packed = packed or pack_tokens(event.token_ids)
                 tokens = packed[index * width : (index + 1) * width]
                 keys = extra_keys[index] if index < len(extra_keys) else None
                 content = (
@@ -405,9 +417,10 @@ class Normalizer:
         """Count one more reference on ``tier`` for each block; forward those that just became
         resident, as runs of chained blocks. ``token_ids`` are the event's own tokens (block
         ``i`` is ``token_ids[i * block_size:]``), or ``None`` to take them from the blocks."""
-        refs, presence = rank.refs[_TIERS.index(tier)], rank.presence
+        refs = rank.refs[tier]
         start = 0
         run: list[_Block] = []
+        last: int | None = None  # the canonical hash of the run's last block
         duplicates = 0
         for index, block in enumerate(blocks):
             canonical = block.canonical
@@ -416,8 +429,7 @@ class Normalizer:
             if count:
                 duplicates += 1
                 continue
-            presence[canonical] = presence.get(canonical, 0) + 1
-            if run and run[-1].canonical != block.parent:
+            if run and last != block.parent:
                 out.append(self._store_event(dp_rank, event_id, tier, run, token_ids, start))
                 run = []
             if not run:
@@ -425,6 +437,7 @@ class Normalizer:
             elif index != start + len(run):
                 token_ids = None  # a skipped duplicate inside the chain: not one token slice
             run.append(block)
+            last = canonical
         if run:
             out.append(self._store_event(dp_rank, event_id, tier, run, token_ids, start))
         if duplicates:
@@ -463,26 +476,31 @@ class Normalizer:
 
     # -- removals and clears ----------------------------------------------------------------
 
-    def _removed(self, rank: _Rank, tier: Tier, event: BlockRemoved, gone: list[int]) -> None:
+    def _removed(
+        self,
+        rank: _Rank,
+        tier: Tier,
+        medium: str | None,
+        engine_hashes: list[int | bytes],
+        gone: list[int],
+    ) -> None:
         """Count one reference less on ``tier`` for each block; collect in ``gone`` those whose
         last reference went."""
-        refs, presence, blocks = rank.refs[_TIERS.index(tier)], rank.presence, rank.blocks
-        for engine_hash in event.block_hashes:
-            key = (
-                engine_hash & U64_MASK if type(engine_hash) is int else engine_hash_u64(engine_hash)
-            )
+        refs, blocks = rank.refs[tier], rank.blocks
+        elsewhere = [other for other in rank.refs.values() if other is not refs]
+        evicted = []  # engine hashes whose block left its last tier
+        for key in engine_hashes_u64(engine_hashes):
             block = blocks.get(key)
             count = 0 if block is None else refs.get(block.canonical, 0)
             if count == 1:
                 canonical = block.canonical  # type: ignore[union-attr]
                 del refs[canonical]
                 gone.append(canonical)
-                tiers = presence[canonical] - 1
-                if tiers:
-                    presence[canonical] = tiers
+                for other in elsewhere:
+                    if canonical in other:
+                        break
                 else:
-                    del presence[canonical]
-                    self._retire(rank, key)
+                    evicted.append(key)
             elif count > 1:
                 refs[block.canonical] = count - 1  # type: ignore[union-attr]
                 self.dropped["removed", tier.value, DropReason.STILL_REFERENCED] += 1
@@ -490,7 +508,8 @@ class Normalizer:
                 rank.cleared.discard(key)
                 self.dropped["removed", tier.value, DropReason.CLEARED_EARLIER] += 1
             else:
-                self._drop("removed", tier, DropReason.UNKNOWN_BLOCK, 1, medium=event.medium)
+                self._drop("removed", tier, DropReason.UNKNOWN_BLOCK, 1, medium=medium)
+        self._retire(rank, evicted)
 
     def _removal(
         self, dp_rank: int, event_id: int, tier: Tier | None, gone: list[int]
@@ -500,20 +519,22 @@ class Normalizer:
         data = EventData(removed=RemovedData(gone))
         return TieredEvent(self.worker_id, dp_rank, tier, KvCacheEvent(event_id, data, dp_rank))
 
-    def _retire(self, rank: _Rank, key: int) -> None:
-        rank.retired[key] = rank.blocks.pop(key)
-        if len(rank.retired) > self.retain_evicted:
-            rank.retired.popitem(last=False)
+    def _retire(self, rank: _Rank, keys: list[int]) -> None:
+        """Move blocks that left every tier to the retired ones, keeping the newest
+        ``retain_evicted`` of those."""
+        live, retired = rank.blocks, rank.retired
+        for key in keys:
+            retired[key] = live.pop(key)
+        for _ in range(len(retired) - self.retain_evicted):
+            retired.popitem(last=False)
 
     def _clear(self, rank: _Rank, dp_rank: int, event_id: int) -> list[TieredEvent]:
         if len(rank.cleared) + len(rank.blocks) > self.retain_evicted:
             rank.cleared.clear()
         rank.cleared.update(rank.blocks)
-        for key in list(rank.blocks):
-            self._retire(rank, key)
-        for refs in rank.refs:
+        self._retire(rank, list(rank.blocks))
+        for refs in rank.refs.values():
             refs.clear()
-        rank.presence.clear()
         out = []
         for tier in _TIERS:
             self.forwarded["cleared", tier] += 1

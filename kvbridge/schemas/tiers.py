@@ -19,6 +19,10 @@ class Tier(enum.Enum):
     DISK = "disk"
     EXTERNAL = "external"
 
+    __hash__ = object.__hash__
+    """Members are singletons compared by identity: hash them the same way, in C (``Enum``'s
+    own ``__hash__`` is Python code, and tiers key the normalizer's per-event counters)."""
+
 
 class TieredEvent(msgspec.Struct, frozen=True):
     """One Dynamo event for one (worker, dp_rank, tier).

@@ -212,19 +212,63 @@ class _TolerantWireBatch(_WireBatch, array_like=True, forbid_unknown_fields=Fals
 _BATCH = msgspec.msgpack.Decoder(_WireBatch)
 _TOLERANT_BATCH = msgspec.msgpack.Decoder(_TolerantWireBatch)
 _LAST_ARRAY_LAYOUT: Final = [layout for layout in LAYOUTS if layout.encoding == "array"][-1]
-_STRICT_UNIONS = {era: _event_union(array_like=era, strict=True) for era in (True, False)}
-_STRICT = {era: msgspec.msgpack.Decoder(union) for era, union in _STRICT_UNIONS.items()}
+_STRICT = {
+    era: msgspec.msgpack.Decoder(_event_union(array_like=era, strict=True)) for era in (True, False)
+}
 _TOLERANT = {
     era: msgspec.msgpack.Decoder(_event_union(array_like=era, strict=False))
     for era in (True, False)
 }
+
+
+def _tokens_short(event: BlockStored) -> bool:
+    """Whether a store's tokens cannot fill its blocks (a placeholder has none to check)."""
+    return bool(event.token_ids) and (
+        event.block_size == 0 or len(event.token_ids) < len(event.block_hashes) * event.block_size
+    )
+
+
+def _check_tokens(event: BlockStored) -> None:
+    """``__post_init__`` of the fast path's stores: msgspec calls it as it decodes each one, and
+    a failure sends the batch to the event-by-event path, whose error names the event."""
+    if _tokens_short(event):
+        raise ValueError("the tokens cannot fill the blocks")
+
+
+def _fast_union(*, array_like: bool) -> Any:
+    """The strict event union of the fast path, for one era.
+
+    Stores check their token count as they are decoded. Array events never had the map-only
+    fields (``locality`` and after), so the array variants accept only nil there: an array
+    event with a value past its era's positions fails and goes to the event-by-event path,
+    which counts it as unknown.
+    """
+    past_array_era: dict[type[msgspec.Struct], tuple[str, ...]] = {
+        BlockStored: STORED_FIELDS[_LAST_ARRAY_LAYOUT.stored_fields :],
+        BlockRemoved: REMOVED_FIELDS[_LAST_ARRAY_LAYOUT.removed_fields :],
+    }
+    stored, removed, cleared = (
+        msgspec.defstruct(
+            base.__name__,
+            [(name, None, None) for name in past_array_era.get(base, ())] if array_like else [],
+            bases=(base,),
+            tag=base.__name__,
+            array_like=array_like,
+            forbid_unknown_fields=True,
+            namespace={"__post_init__": _check_tokens} if base is BlockStored else None,
+        )
+        for base in (BlockStored, BlockRemoved, AllBlocksCleared)
+    )
+    return stored | removed | cleared
+
+
 _FAST_BATCHES = tuple(
     msgspec.msgpack.Decoder(
         msgspec.defstruct(
             "_FastWireBatch",
             [
                 ("ts", float),
-                ("events", list[_STRICT_UNIONS[era]]),  # type: ignore[valid-type]
+                ("events", list[_fast_union(array_like=era)]),  # type: ignore[misc]
                 ("data_parallel_rank", int | None, None),
             ],
             array_like=True,
@@ -233,23 +277,9 @@ _FAST_BATCHES = tuple(
     )
     for era in (False, True)
 )
-"""The fast path: a batch whose events are all of one era and all known, in one pass; map
-events (vLLM 0.24+) are tried first. Anything else (mixed eras, unknown fields, errors) takes
-the event-by-event path."""
-_MAP_ONLY: Final = {
-    "BlockStored": STORED_FIELDS[_LAST_ARRAY_LAYOUT.stored_fields :],
-    "BlockRemoved": REMOVED_FIELDS[_LAST_ARRAY_LAYOUT.removed_fields :],
-}
-
-
-def _past_array_era(events: list[Any]) -> bool:
-    """Whether array events carry values at positions no array release had (which the strict
-    array variants read as map-only fields): the event-by-event path counts them as unknown."""
-    for event in events:
-        names = _MAP_ONLY.get(type(event).__name__, ())
-        if any(getattr(event, name) is not None for name in names):
-            return True
-    return False
+"""The fast path: a batch whose events are all of one era, all known and all valid, in one pass
+of msgspec; map events (vLLM 0.24+) are tried first. Anything else (mixed eras, unknown fields,
+errors) takes the event-by-event path, which counts unknown fields and names the bad field."""
 
 
 _GENERIC = msgspec.msgpack.Decoder()
@@ -349,30 +379,24 @@ def _decode_event(index: int, raw: msgspec.Raw) -> tuple[Event, int]:
 
 
 def _check(index: int, event: Event) -> None:
-    if isinstance(event, BlockStored) and event.token_ids:
-        needed = len(event.block_hashes) * event.block_size
-        if event.block_size == 0 or len(event.token_ids) < needed:
-            raise SchemaError(
-                f"event {index}: field 'token_ids': {len(event.token_ids)} tokens cannot fill "
-                f"{len(event.block_hashes)} blocks of {event.block_size}",
-                event_index=index,
-                field="token_ids",
-            )
+    if isinstance(event, BlockStored) and _tokens_short(event):
+        raise SchemaError(
+            f"event {index}: field 'token_ids': {len(event.token_ids)} tokens cannot fill "
+            f"{len(event.block_hashes)} blocks of {event.block_size}",
+            event_index=index,
+            field="token_ids",
+        )
 
 
 def decode_batch(payload: bytes | memoryview) -> VllmBatch:
     """Decode the msgpack payload (frame 2) of any vLLM release that publishes KV events."""
     if not payload:
         raise SchemaError("batch: empty payload")
-    for era, decoder in enumerate(_FAST_BATCHES):
+    for decoder in _FAST_BATCHES:
         try:
             fast: Any = decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             continue
-        if era and _past_array_era(fast.events):
-            break
-        for index, event in enumerate(fast.events):
-            _check(index, event)
         return VllmBatch(fast.ts, fast.events, fast.data_parallel_rank)
     return _decode_batch_by_event(payload)
 
