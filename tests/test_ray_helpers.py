@@ -116,7 +116,8 @@ def test_prompt_tokens_from_kwargs_and_bodies() -> None:
     assert prompt_tokens((), {"prompt_token_ids": []}) is None
     assert prompt_tokens((), {"prompt_token_ids": [1, -1]}) is None  # not u32
     assert prompt_tokens((), {"prompt_token_ids": [1, 2**32]}) is None
-    assert prompt_tokens((), {"prompt_token_ids": [1, True]}) is None
+    assert prompt_tokens((), {"prompt_token_ids": [1, 2.5]}) is None
+    assert prompt_tokens((), {"prompt_token_ids": [1, "2"]}) is None
     assert prompt_tokens((), {"prompt_token_ids": "abc"}) is None
 
 

@@ -10,6 +10,7 @@ or chat ``messages`` needs a tokenizer: the router is given one as an import pat
 from __future__ import annotations
 
 import importlib
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -19,7 +20,6 @@ Tokenizer = Callable[[Any], Sequence[int] | None]
 """Called with the request body; returns its prompt's token ids, or ``None``."""
 
 TOKEN_FIELDS: Final = ("prompt_token_ids", "token_ids")
-_U32: Final = 1 << 32
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -53,11 +53,10 @@ def _token_ids(value: object) -> list[int] | None:
     """``value`` as a non-empty list of u32 token ids, or ``None`` if it is not one."""
     if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
         return None
-    tokens = list(value)
-    for token in tokens:
-        if type(token) is not int or not 0 <= token < _U32:
-            return None
-    return tokens
+    try:
+        return array("I", value).tolist()  # C checks: integers, and each a u32
+    except (TypeError, OverflowError):
+        return None
 
 
 def prompt_tokens(

@@ -148,6 +148,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 lora_name=prompt_lora_name(
                     pending_request.kwargs, pending_request.metadata.multiplexed_model_id
                 ),
+                started=started,
             )
         except NoChoice as no_choice:
             # Serve's own power of two choices: it needs only the mixins this class has.

@@ -163,6 +163,7 @@ class RoutingState:
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
         self._rejected: dict[str, str] = {}
+        self._seen_stats: dict[str, Mapping[str, Any]] = {}
         self._reservations: OrderedDict[str, _Reservation] = OrderedDict()
         self._selection_ids = itertools.count()
         self._registry_lock: asyncio.Lock | None = None
@@ -182,6 +183,11 @@ class RoutingState:
         deletes: list[_Worker] = []
         with self._lock:
             for replica_id, stats in replicas.items():
+                # Serve hands over a new dict when a replica's stats change.
+                if stats is not None and self._seen_stats.get(replica_id) is stats:
+                    continue
+                if stats is not None:
+                    self._seen_stats[replica_id] = stats
                 advert = self._advert(replica_id, stats)
                 current = self._workers.get(replica_id)
                 if advert is None or (current is not None and current.advert == advert):
@@ -192,6 +198,8 @@ class RoutingState:
                 self._workers[replica_id] = worker
                 upserts.append(worker)
             if complete:
+                for replica_id in [r for r in self._seen_stats if r not in replicas]:
+                    del self._seen_stats[replica_id]
                 for replica_id in [r for r in self._workers if r not in replicas]:
                     deletes.append(self._workers.pop(replica_id))
                 for replica_id in [r for r in self._rejected if r not in replicas]:
@@ -205,6 +213,7 @@ class RoutingState:
         with self._lock:
             worker = self._workers.pop(replica_id, None)
             self._rejected.pop(replica_id, None)
+            self._seen_stats.pop(replica_id, None)
         if worker is None:
             return None
         return self.client.run(self._apply_registry([], [worker]))
@@ -296,15 +305,17 @@ class RoutingState:
         workers: Mapping[int, str],
         *,
         lora_name: str | None = None,
+        started: float | None = None,
     ) -> Choice:
         """Dynamo's pick among ``workers`` ({worker_id: replica_id}), reserved until
         :meth:`release`. A request that already holds a reservation on one of ``workers`` gets
-        the same choice again (Serve asks again when the pick is full or rejects).
+        the same choice again (Serve asks again when the pick is full or rejects). ``started``
+        (a ``time.perf_counter()``) is when the decision began, for its latency.
 
         Raises:
             NoChoice: no worker, a timeout, or a service error.
         """
-        started = time.perf_counter()
+        started = time.perf_counter() if started is None else started
         self._expire(time.monotonic())
         with self._lock:
             held = self._reservations.get(request_id)
