@@ -181,8 +181,9 @@ class Normalizer:
         out: list[TieredEvent] = []
         gone: list[int] = []
         gone_tier: Tier | None = None
-        # vLLM sends one BlockRemoved per evicted GPU block: a run of consecutive removals of
-        # one medium, locality and group is admitted once and processed in one pass.
+        # Events come in runs of one class. vLLM sends one BlockRemoved per evicted GPU block,
+        # so a run of removals of one medium, locality and group is admitted once and processed
+        # in one pass.
         for event_type, events in itertools.groupby(batch.events, type):
             if issubclass(event_type, BlockRemoved):
                 for (medium, locality, group), run in itertools.groupby(events, _removal_admission):
@@ -487,7 +488,8 @@ class Normalizer:
         """Count one reference less on ``tier`` for each block; collect in ``gone`` those whose
         last reference went."""
         refs, blocks = rank.refs[tier], rank.blocks
-        elsewhere = [other for other in rank.refs.values() if other is not refs]
+        # The other tiers that hold blocks: a block on none of them has left every tier.
+        elsewhere = [other for other in rank.refs.values() if other and other is not refs]
         evicted = []  # engine hashes whose block left its last tier
         for key in engine_hashes_u64(engine_hashes):
             block = blocks.get(key)
