@@ -196,7 +196,9 @@ def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -
     assert len(from_cpu) >= 10, f"only {len(from_cpu)} follow-ups found their prefix on CPU"
     for decision, session, turn, answer in from_cpu:
         assert session.replicas[turn] == session.replicas[turn - 1]
-        assert decision.overlap.device == 0
+        # Dynamo's view may trail the engine by the last request's evictions (a few ms), so a
+        # block the engine has just evicted can still count as on the device.
+        assert decision.overlap.device < decision.overlap.host_pinned
         # The engine loads whole blocks from CPU; Dynamo saw at least those on host_pinned.
         assert decision.overlap.host_pinned >= answer["cpu_hit"] // BLOCK_SIZE > 0
     stats = affinity_run.state.stats.overlap_blocks
@@ -207,8 +209,9 @@ def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -
 
 
 def test_replica_death_moves_its_sessions(ray_cluster: None) -> None:
-    """A replica is killed between turns 2 and 3: its sessions go to the others, every request
-    succeeds, and Dynamo no longer lists the dead worker."""
+    """A replica is killed between turns 2 and 3: its sessions go to the others and stay there,
+    the others' sessions stay where they were, every request succeeds, and Dynamo no longer
+    lists the dead worker."""
     handle = deploy(DynamoKVRouter, app="death")
     replicas = replica_ids(handle, 3)
     state = wait_registered(handle, replicas, app="death")
@@ -232,6 +235,7 @@ def test_replica_death_moves_its_sessions(ray_cluster: None) -> None:
     kept = [s for s in work if s not in moved]
     stayed = sum(s.replicas[2] == s.replicas[1] for s in kept)
     restuck = sum(s.replicas[3] == s.replicas[2] for s in moved)
+    assert (restuck, stayed) == (len(moved), len(kept)), [s.replicas for s in work]
     print(
         f"\n{len(moved)} sessions moved off the killed replica {victim}, {restuck} stayed on "
         f"their new replica for the next turn; {stayed}/{len(kept)} others kept their replica; "

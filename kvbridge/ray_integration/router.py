@@ -17,7 +17,8 @@ import asyncio
 import time
 from typing import Any, cast
 
-from ray.serve._private.replica_result import ReplicaResult
+import ray
+from ray.serve._private.replica_result import ActorReplicaResult, ReplicaResult
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
     LocalityMixin,
@@ -94,6 +95,8 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if select_timeout_s <= 0:
             raise ValueError(f"select_timeout_s must be positive, got {select_timeout_s}")
         self._tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
+        self._results: dict[str, ray.ObjectRef[Any]] = {}
+        """Results of requests Serve placed, by request id, until they complete."""
         self._routing = routing_state(
             deployment_key(self._deployment_id.app_name, self._deployment_id.name),
             block_size=block_size,
@@ -128,6 +131,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if pending_request is None:
             return [candidate_replicas]
         started = time.perf_counter()
+        self._release_finished()
         request_id = pending_request.metadata.internal_request_id
         registering = self._routing.sync(
             {replica.replica_id.unique_id: replica.routing_stats for replica in candidate_replicas},
@@ -169,11 +173,26 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
         self._routing.routed(request_id, replica_id.unique_id)
-        # Serve's own completion callback reaches on_request_completed through the router's
-        # loop, often after the caller already has the answer and has sent its next request,
-        # which Dynamo would then see next to a finished one. This callback runs on the thread
-        # that completes the result.
-        result.add_done_callback(lambda _: self._routing.release(request_id))
+        if isinstance(result, ActorReplicaResult) and not pending_request.metadata.is_streaming:
+            self._results[request_id] = result.to_object_ref()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._results.pop(internal_request_id, None)
         self._routing.release(internal_request_id)
+
+    def _release_finished(self) -> None:
+        """Release the reservations of requests whose result is already in the object store.
+
+        Serve reports a completion through the router's loop a few milliseconds after the caller
+        has the result. A caller that sends its next request at once would otherwise meet its
+        finished one still booked in Dynamo, which prices the booking about like a cached prefix
+        of the same size and may send a short cached prompt elsewhere.
+        """
+        if not self._results:
+            return
+        by_ref = {ref: request_id for request_id, ref in self._results.items()}
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0, fetch_local=False)
+        for ref in ready:
+            request_id = by_ref[ref]
+            del self._results[request_id]
+            self._routing.release(request_id)

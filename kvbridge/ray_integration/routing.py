@@ -164,6 +164,8 @@ class RoutingState:
         self._workers: dict[str, _Worker] = {}
         self._rejected: dict[str, str] = {}
         self._seen_stats: dict[str, Mapping[str, Any]] = {}
+        self._freeing: set[concurrent.futures.Future[Any]] = set()
+        """Frees submitted and not yet applied: a selection waits for them (see _select)."""
         self._reservations: OrderedDict[str, _Reservation] = OrderedDict()
         self._selection_ids = itertools.count()
         self._registry_lock: asyncio.Lock | None = None
@@ -354,6 +356,12 @@ class RoutingState:
     async def _select(self, request: dict[str, Any]) -> Choice:
         """On the service's loop: select and reserve, and score every allowed worker."""
         service = self.client.service
+        # A free and a selection submitted after it run concurrently in the service; without
+        # this wait the selection may still count the freed request's load.
+        with self._lock:
+            freeing = [asyncio.wrap_future(future) for future in self._freeing]
+        if freeing:
+            await asyncio.wait(freeing)
         results: tuple[Any, Any] = await asyncio.gather(
             service.select_and_reserve(request),
             service.overlap_scores(
@@ -489,13 +497,18 @@ class RoutingState:
 
     def _free(self, selection_id: str, outcome: str) -> None:
         def done(future: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._freeing.discard(future)
             if future.cancelled() or future.exception() is not None:
                 self.stats.registry["free_failed"] += 1
                 log.warning("free_reservation failed", selection_id=selection_id)
             else:
                 self.stats.registry[outcome] += 1
 
-        self.client.submit("free_reservation", selection_id).add_done_callback(done)
+        future = self.client.submit("free_reservation", selection_id)
+        with self._lock:
+            self._freeing.add(future)
+        future.add_done_callback(done)
 
     def close(self) -> None:
         self.client.close()
