@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -276,3 +277,43 @@ def test_fallback_without_tokens_or_answer(ray_cluster: None) -> None:
     assert state.stats.outcomes["dynamo"] == dynamo_before + 1
     wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
     serve.delete("fallback")
+
+
+def test_data_parallel_ranks(ray_cluster: None) -> None:
+    """Two replicas with two dp ranks each: Dynamo scores every (replica, rank), the router passes
+    the picked rank to the replica (``dp_rank_kwarg``), and each session's follow-ups return to
+    the rank of the same replica that holds its history."""
+    bound = serve.deployment(
+        name=DEPLOYMENT,
+        num_replicas=2,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=RequestRouterConfig(
+            request_router_class=DynamoKVRouter,
+            request_router_kwargs={"block_size": BLOCK_SIZE, "dp_rank_kwarg": "data_parallel_rank"},
+            request_routing_stats_period_s=0.5,
+        ),
+    )(SimulatedReplica).bind(
+        block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS, dp_size=2
+    )
+    handle = serve.run(bound, name="dp", route_prefix=None)
+    replicas = replica_ids(handle, 2)
+    state = wait_registered(handle, replicas, app="dp")
+    records = {int(w["worker_id"]): w for w in state.client.service.list_workers()}
+    for replica in replicas:
+        assert sorted(records[worker_id_for(replica)]["kv_events_endpoints"]) == [0, 1]
+    first = len(state.stats.decisions)
+    work = sessions(seed=5)[:16]
+    run_workload(handle, work, range(3))
+    decisions = list(state.stats.decisions)[first:]
+    placed = [
+        (s.answers[turn]["replica"], s.answers[turn]["dp_rank"]) for turn in range(3) for s in work
+    ]
+    assert [(d.replica_id, d.dp_rank) for d in decisions] == placed
+    assert len({pair for pair in placed[: len(work)]}) == 4, "first turns use all four ranks"
+    for session in work:
+        pairs = [(a["replica"], a["dp_rank"]) for a in session.answers]
+        assert pairs == [pairs[0]] * 3, pairs
+        assert all(a["gpu_hit"] + a["cpu_hit"] > 0 for a in session.answers[1:])
+    print(f"\nsessions per (replica, dp rank): {Counter(placed[: len(work)])}")
+    wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
+    serve.delete("dp")

@@ -68,6 +68,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         tokenizer: str | None = None,
         indexer_threads: int | None = None,
         tuning: dict[str, float] | None = None,
+        dp_rank_kwarg: str | None = None,
         **unknown: Any,
     ) -> None:
         """Read ``request_router_kwargs``.
@@ -83,6 +84,10 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             indexer_threads: Dynamo's indexer threads.
             tuning: Dynamo's router weights by name, e.g. ``{"prefill_load_scale": 2.0}``
                 (see :data:`kvbridge.adapters.selection.TUNING_ENV`).
+            dp_rank_kwarg: the keyword argument that tells the replica which data-parallel rank
+                Dynamo picked (e.g. ``"data_parallel_rank"``, as vLLM's ``generate`` takes it);
+                ``None`` passes nothing. A request Serve places on a replica other than Dynamo's
+                pick carries the pick's rank.
 
         Raises:
             TypeError: an unknown keyword (a typo in ``request_router_kwargs``).
@@ -95,6 +100,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if select_timeout_s <= 0:
             raise ValueError(f"select_timeout_s must be positive, got {select_timeout_s}")
         self._tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
+        self._dp_rank_kwarg = dp_rank_kwarg
         self._results: dict[str, ray.ObjectRef[Any]] = {}
         """Results of requests Serve placed, by request id, until they complete."""
         self._routing = routing_state(
@@ -163,6 +169,8 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             )
             self._routing.fallback(request_id, no_choice.reason, time.perf_counter() - started)
             return fallback
+        if self._dp_rank_kwarg is not None:
+            pending_request.kwargs[self._dp_rank_kwarg] = choice.dp_rank
         # Every rank below holds all candidates: when all are full, back off before retrying.
         pending_request.routing_context.should_backoff = True
         ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]

@@ -102,44 +102,61 @@ def wait_registered(handle: Any, replicas: set[str], app: str, deployment: str) 
 
 class SimulatedReplica(KVEventsReplica):
     """A Serve replica whose engine is a :class:`~kvbridge.testing.SimulatedEngine` with a GPU
-    pool and a self-describing CPU tier, publishing to the replica's relay."""
+    pool and a self-describing CPU tier, publishing to the replica's relay.
 
-    def __init__(self, *, block_size: int, num_blocks: int, cpu_blocks: int | None) -> None:
-        super().__init__(block_size=block_size, host="127.0.0.1")
-        config = self.kv_events_config()
-        self.engine = SimulatedEngine(
-            config["endpoint"],
-            replay_endpoint=config["replay_endpoint"],
-            bind=None,  # vLLM's rule: a loopback endpoint connects to the relay, which binds
-            block_size=block_size,
-            num_blocks=num_blocks,
-            cpu_blocks=cpu_blocks,
-            self_describing=cpu_blocks is not None,
-        )
+    With ``dp_size`` > 1 it holds one engine per data-parallel rank, on consecutive ports as
+    vLLM offsets them, and a request runs on the rank its ``data_parallel_rank`` names (rank 0
+    without it).
+    """
+
+    def __init__(
+        self, *, block_size: int, num_blocks: int, cpu_blocks: int | None, dp_size: int = 1
+    ) -> None:
+        super().__init__(block_size=block_size, dp_size=dp_size, host="127.0.0.1")
+        ports = self.kv_ports
+        self.engines = [
+            SimulatedEngine(
+                f"tcp://127.0.0.1:{ports.engine + rank}",
+                replay_endpoint=f"tcp://127.0.0.1:{ports.engine_replay + rank}",
+                bind=None,  # vLLM's rule: a loopback endpoint connects to the relay, which binds
+                block_size=block_size,
+                num_blocks=num_blocks,
+                cpu_blocks=cpu_blocks,
+                self_describing=cpu_blocks is not None,
+                dp_rank=rank,
+            )
+            for rank in range(dp_size)
+        ]
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
-        self._lock = (
-            threading.Lock()
-        )  # the engine is not thread-safe; Serve may run calls in threads
+        # The engines are not thread-safe, and Serve may run calls in threads.
+        self._lock = threading.Lock()
 
     def __call__(
-        self, prompt_token_ids: list[int] | None = None, max_tokens: int = 4, **_: Any
+        self,
+        prompt_token_ids: list[int] | None = None,
+        max_tokens: int = 4,
+        data_parallel_rank: int | None = None,
+        **_: Any,
     ) -> dict[str, Any]:
         """Run a request; the answer says where it ran and what it found cached."""
         if prompt_token_ids is None:  # a request without tokens: nothing for the engine to do
             return {"replica": self.replica_id, "actor": self.actor_name}
+        rank = data_parallel_rank or 0
         with self._lock:
-            completion = self.engine.generate(prompt_token_ids, max_tokens)
+            completion = self.engines[rank].generate(prompt_token_ids, max_tokens)
         return {
             "replica": self.replica_id,
             "actor": self.actor_name,
+            "dp_rank": rank,
             "output": completion.output_token_ids,
             "gpu_hit": completion.num_cached_tokens,
             "cpu_hit": completion.num_external_tokens,
         }
 
     def __del__(self) -> None:
-        self.engine.close()
+        for engine in self.engines:
+            engine.close()
         super().__del__()
 
 
