@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.relay import RelayProcess, Samples, free_port_block, wait_tcp_peers
+from support.relay import RelayProcess, Samples, wait_tcp_peers
 from support.selection import Overlap, SelectionHarness
 from support.vllm_server import (
     ENGINE_BLOCK_SIZE,
@@ -43,6 +43,8 @@ from support.vllm_server import (
     vllm_python,
     write_tiny_model,
 )
+
+from kvbridge.adapters.ports import free_port_range
 
 WORKER = 1
 BLOCK = ENGINE_BLOCK_SIZE
@@ -156,7 +158,7 @@ def random_ids(rng: random.Random, count: int) -> list[int]:
 def test_live_vllm_through_relay_to_selection_service(tmp_path: Path) -> None:
     python = vllm_python()  # skips (or fails under KVBRIDGE_E2E=1) without the venv
     started = time.monotonic()
-    base = free_port_block(6)
+    base = free_port_range(6)
     http, events, replay, publish, publish_replay, metrics = range(base, base + 6)
     model = write_tiny_model(tmp_path / "model")
     rng = random.Random(20260611)

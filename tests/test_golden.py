@@ -35,10 +35,11 @@ from pathlib import Path
 
 import pytest
 from support.golden import BLOCK_SIZE, SCENARIOS, Golden, Reference, load, phase_ends
-from support.relay import RelayProcess, free_port_block, port_of, wait_tcp_peers
+from support.relay import RelayProcess, port_of, wait_tcp_peers
 from support.selection import SelectionHarness
 
 from kvbridge import Normalizer, Overlap, TieredIndex, decode_batch
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 
 LOCAL = "tcp://127.0.0.1:0"
@@ -278,7 +279,7 @@ def test_selection_service_via_relay_equals_reference(stack: ExitStack, tmp_path
         )
         source.start_replay_thread()
         sources.append(source)
-    base = free_port_block(2 * count + 1)
+    base = free_port_range(2 * count + 1)
     publish = [f"tcp://127.0.0.1:{base + i}" for i in range(count)]
     replay_ports = [f"tcp://127.0.0.1:{base + count + i}" for i in range(count)]
     args: list[str] = []

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.ray_integration import (
     ROUTING_STATS_KEY,
     KVEventPorts,
@@ -19,7 +20,6 @@ from kvbridge.ray_integration import (
     vllm_engine_kwargs,
     worker_id_for,
 )
-from kvbridge.ray_integration.engine import free_port_range
 from kvbridge.ray_integration.prompt import (
     load_tokenizer,
     prompt_lora_name,

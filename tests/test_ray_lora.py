@@ -10,7 +10,6 @@ Ray Serve LLM's own KV router does not pass LoRA names to Dynamo.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 
@@ -43,9 +42,7 @@ class RelayedWorker:
             publish=f"tcp://127.0.0.1:{ports.relay}",
             publish_replay=f"tcp://127.0.0.1:{ports.relay_replay}",
         )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.relay.run, args=(self._stop,), daemon=True)
-        self._thread.start()
+        self.relay.start()
         self.advert = KVEventsAdvert(
             endpoints={0: f"tcp://127.0.0.1:{ports.relay}"},
             replay_endpoints={0: f"tcp://127.0.0.1:{ports.relay_replay}"},
@@ -72,8 +69,6 @@ class RelayedWorker:
         self.engine.publish(vllm_batch([event]))
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
         self.relay.close()
         self.engine.close()
 

@@ -28,7 +28,6 @@ from support.relay import (
     BLOCK_SIZE,
     RelayProcess,
     Samples,
-    free_port_block,
     kvbridge_command,
     placeholder,
     port_of,
@@ -39,6 +38,7 @@ from support.relay import (
 )
 from support.selection import Overlap, SelectionHarness
 
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.schemas.vllm import Event
 
@@ -82,7 +82,7 @@ class Rig:
             source.start_replay_thread()
             self.sources.append(source)
         count = len(worker_ids)
-        base = free_port_block(2 * count + 1)
+        base = free_port_range(2 * count + 1)
         self.publish = [f"tcp://127.0.0.1:{base + i}" for i in range(count)]
         self.replay = [f"tcp://127.0.0.1:{base + count + i}" for i in range(count)]
         self.metrics_port = base + 2 * count

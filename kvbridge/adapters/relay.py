@@ -42,6 +42,7 @@ from kvbridge.schemas import SchemaError, TieredEvent, decode_batch
 __all__ = ["Relay", "offset_endpoint"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
+_STOP_TIMEOUT_S: Final = 5.0
 
 log = structlog.get_logger("kvbridge.relay")
 
@@ -103,6 +104,8 @@ class Relay:
         self.stats: Counter[str] = Counter()
         """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
         self.workers: dict[int, _Worker] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.outputs: dict[Source, Publisher] = {}
         first_seq = time.time_ns() // 1000
         for offset, source in enumerate(sources):
@@ -142,6 +145,16 @@ class Relay:
         """Relay until ``stop`` is set."""
         while not stop.is_set():
             self.step(timeout_ms)
+
+    def start(self) -> None:
+        """Relay on a daemon thread until :meth:`close`. The relay's sockets then belong to
+        that thread: do not call :meth:`step` as well."""
+        if self._thread is not None:
+            raise RuntimeError("the relay is already running")
+        self._thread = threading.Thread(
+            target=self.run, args=(self._stop,), name="kvbridge-relay", daemon=True
+        )
+        self._thread.start()
 
     def _relay(self, message: Message) -> None:
         self.stats["batches_in"] += 1
@@ -197,6 +210,12 @@ class Relay:
                 self.stats["batches_out"] += 1
 
     def close(self) -> None:
+        """Stop the thread :meth:`start` started, if any, and close the sockets. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(_STOP_TIMEOUT_S)
         self.subscriber.close()
         for publisher in self.outputs.values():
             publisher.close()

@@ -22,8 +22,9 @@ from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
 from dynamo.llm import SelectionService
+from dynamo.llm.exceptions import SelectionServiceError
 
-__all__ = ["TUNING_ENV", "SelectionClient"]
+__all__ = ["TUNING_ENV", "SelectionClient", "SelectionServiceError"]
 
 DEFAULT_CALL_TIMEOUT_S: Final = 10.0
 

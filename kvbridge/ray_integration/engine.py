@@ -2,7 +2,7 @@
 arguments and environment.
 
 Plain helpers with no Ray in them, so that a replica, a launcher script or a test can build the
-same engine configuration.
+same engine configuration. Ports are found by :mod:`kvbridge.adapters.ports`.
 
 The engine's event endpoint is a loopback address (``tcp://127.0.0.1:port``). By vLLM's rule the
 engine then *connects* its PUB socket to it, and the replica's relay binds it: the raw stream
@@ -12,53 +12,18 @@ vLLM always binds the replay endpoint, here on loopback too.
 
 from __future__ import annotations
 
-import random
-import socket
-from typing import Any, Final
+from typing import Any
 
 import msgspec
+
+from kvbridge.adapters.ports import free_port_range
 
 __all__ = [
     "KVEventPorts",
     "engine_env",
-    "free_port_range",
     "kv_events_config",
     "vllm_engine_kwargs",
 ]
-
-_PORT_RANGE: Final = (20_000, 60_000)
-_PORT_ATTEMPTS: Final = 200
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
-    """The first of ``count`` consecutive TCP ports that are free on every interface.
-
-    vLLM offsets a data-parallel rank's ports by its rank, so the ports of one engine must be
-    consecutive. A port found free can still be taken before it is bound; the caller binds soon.
-
-    Raises:
-        ValueError: ``count`` is not positive.
-        OSError: no free range after a few hundred attempts.
-    """
-    if count <= 0:
-        raise ValueError(f"count must be positive, got {count}")
-    rng = rng or random.SystemRandom()
-    low, high = _PORT_RANGE
-    for _ in range(_PORT_ATTEMPTS):
-        base = rng.randrange(low, high - count)
-        if all(_port_free(base + offset) for offset in range(count)):
-            return base
-    raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}")
 
 
 class KVEventPorts(msgspec.Struct, frozen=True):

@@ -9,7 +9,6 @@ resolution) and republishes them on the node's address, where the router's Dynam
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import ray
@@ -23,8 +22,6 @@ from kvbridge.ray_integration.engine import KVEventPorts, kv_events_config, vllm
 __all__ = ["KVEventsReplica"]
 
 log = structlog.get_logger("kvbridge.ray.replica")
-
-_RELAY_STOP_TIMEOUT_S = 5.0
 
 
 class KVEventsReplica:
@@ -74,22 +71,16 @@ class KVEventsReplica:
             publish_replay=f"tcp://{self.kv_host}:{ports.relay_replay}",
             topic=topic,
         )
+        published = {
+            dp_start_rank + offset: self.kv_relay.endpoints(source)
+            for offset, source in enumerate(sources)
+        }
         self.kv_advert = KVEventsAdvert(
-            endpoints={
-                dp_start_rank + offset: self.kv_relay.endpoints(source)[0]
-                for offset, source in enumerate(sources)
-            },
-            replay_endpoints={
-                dp_start_rank + offset: str(self.kv_relay.endpoints(source)[1])
-                for offset, source in enumerate(sources)
-            },
+            endpoints={rank: endpoint for rank, (endpoint, _) in published.items()},
+            replay_endpoints={rank: str(replay) for rank, (_, replay) in published.items()},
             block_size=block_size,
         )
-        self._kv_stop = threading.Event()
-        self._kv_thread = threading.Thread(
-            target=self.kv_relay.run, args=(self._kv_stop,), name="kvbridge-relay", daemon=True
-        )
-        self._kv_thread.start()
+        self.kv_relay.start()
         log.info("relay started", endpoints=self.kv_advert.endpoints, block_size=block_size)
 
     def kv_events_config(self) -> dict[str, Any]:
@@ -109,13 +100,9 @@ class KVEventsReplica:
 
     def close_kv_events(self) -> None:
         """Stop the relay and close its sockets. Idempotent."""
-        if self._kv_stop.is_set():
-            return
-        self._kv_stop.set()
-        self._kv_thread.join(_RELAY_STOP_TIMEOUT_S)
         self.kv_relay.close()
 
     def __del__(self) -> None:
         # Serve calls __del__ when it shuts a replica down gracefully.
-        if hasattr(self, "_kv_stop"):
+        if hasattr(self, "kv_relay"):
             self.close_kv_events()

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
-from dynamo.llm.exceptions import SelectionServiceError
 
 from kvbridge.adapters.dynamo import Overlap
-from kvbridge.adapters.selection import SelectionClient
+from kvbridge.adapters.selection import SelectionClient, SelectionServiceError
 from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
 from kvbridge.ray_integration.metrics import RouterMetrics

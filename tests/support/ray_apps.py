@@ -18,13 +18,13 @@ from typing import Any
 import ray
 from ray import serve
 
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.ray_integration import (
     KVEventsReplica,
     RoutingState,
     deployment_key,
     find_routing_state,
 )
-from kvbridge.ray_integration.engine import free_port_range
 from kvbridge.testing import SimulatedEngine
 
 __all__ = [

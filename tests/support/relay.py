@@ -1,8 +1,8 @@
 """Run ``kvbridge relay`` / ``kvbridge watch`` as subprocesses and talk to them over real sockets.
 
-* :func:`free_port_block` finds ``n`` consecutive free TCP ports on 127.0.0.1: the relay binds
-  its ``i``-th output on ``--publish`` port + ``i`` (and ``--publish-replay`` port + ``i``), so
-  a two-worker relay needs consecutive ports.
+* The relay binds its ``i``-th output on ``--publish`` port + ``i`` (and ``--publish-replay``
+  port + ``i``), so a two-worker relay needs consecutive ports:
+  :func:`kvbridge.adapters.ports.free_port_range` finds them.
 * :class:`RelayProcess` starts ``python -m kvbridge.cli relay ...``, waits until its
   ``--metrics-port`` answers and always terminates it (kill after a timeout).
 * :func:`wait_tcp_peers` waits until a port that a subprocess bound has ``count`` established
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +46,6 @@ __all__ = [
     "Samples",
     "cleared",
     "fetch_metrics",
-    "free_port_block",
     "kvbridge_command",
     "parse_metrics",
     "placeholder",
@@ -116,29 +114,6 @@ def vllm_batch(events: Sequence[Event], dp_rank: int = 0, ts: float | None = Non
 
 def port_of(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
-
-
-def free_port_block(count: int, attempts: int = 200) -> int:
-    """The first of ``count`` consecutive ports that are all free on 127.0.0.1 right now."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-        return base
-    raise RuntimeError(f"no block of {count} free ports found")
 
 
 def _established_peers(port: int) -> int:

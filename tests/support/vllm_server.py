@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,8 @@ from typing import Any, Self
 import msgspec
 import pytest
 import zmq
+
+from kvbridge.adapters.ports import port_free
 
 __all__ = [
     "ENGINE_BLOCK_SIZE",
@@ -106,17 +107,6 @@ def write_tiny_model(directory: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def port_free(port: int) -> bool:
-    """True if ``port`` can be bound on every interface (vLLM binds ``tcp://*:port``)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 def _parents() -> dict[int, int]:

@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.adapters.capture import CaptureReader
+from kvbridge.adapters.ports import free_port_range, port_free
 from kvbridge.schemas import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 HERE = Path(__file__).resolve().parent
@@ -71,29 +71,6 @@ class RecordError(RuntimeError):
 
 
 # -- processes -------------------------------------------------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports that are free right now (bound on every interface, then released)."""
-    sockets, ports = [], []
-    while len(ports) < count:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("0.0.0.0", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return True
-    return False
 
 
 def kill_group(proc: subprocess.Popen[Any] | None, first: int = signal.SIGTERM) -> None:
@@ -305,7 +282,8 @@ def cross_check(out_dir: Path) -> list[str]:
 
 def record_one(name: str, vllm_python: str, out_dir: Path) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"kvbridge-record-{name}-"))
-    port, replay_port = free_ports(2)
+    port = free_port_range(2)
+    replay_port = port + 1
     capture = work / f"{name}.kvcap"
     manifest_path = work / "manifest.json"
     worker_id = WORKER_IDS.get(name, 0)
@@ -361,7 +339,7 @@ def record_one(name: str, vllm_python: str, out_dir: Path) -> dict[str, Any]:
             raise RecordError(f"the recorder exited with {recorder.returncode}")
         recorder = None
         for p in (port, replay_port):
-            if port_in_use(p):
+            if not port_free(p):
                 raise RecordError(f"port {p} is still in use after the run (orphan engine?)")
         if not capture.exists():
             raise RecordError("the recorder wrote no capture")

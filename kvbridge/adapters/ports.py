@@ -1,0 +1,46 @@
+"""Free TCP ports, for engines, relays and tests that need them before anything binds.
+
+vLLM offsets a data-parallel rank's ports by its rank, so the ports of one engine (and of the
+relay that mirrors it) must be consecutive: :func:`free_port_range` finds such a range. A port
+found free can still be taken before it is bound; callers bind soon after.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Final
+
+__all__ = ["free_port_range", "port_free"]
+
+_PORT_RANGE: Final = (20_000, 60_000)
+_PORT_ATTEMPTS: Final = 200
+
+
+def port_free(port: int) -> bool:
+    """True if ``port`` can be bound on every interface (vLLM binds ``tcp://*:port``)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
+    """The first of ``count`` consecutive TCP ports that are free on every interface.
+
+    Raises:
+        ValueError: ``count`` is not positive.
+        OSError: no free range after a few hundred attempts.
+    """
+    if count <= 0:
+        raise ValueError(f"count must be positive, got {count}")
+    rng = rng or random.SystemRandom()
+    low, high = _PORT_RANGE
+    for _ in range(_PORT_ATTEMPTS):
+        base = rng.randrange(low, high - count)
+        if all(port_free(base + offset) for offset in range(count)):
+            return base
+    raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}")
