@@ -31,6 +31,7 @@ from kvbridge.normalizers.hashing import (
     pack_tokens,
     tokens_hash,
 )
+from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.normalizers.media import tier_for_medium
 from kvbridge.schemas.dynamo import (
     EventData,
@@ -40,7 +41,7 @@ from kvbridge.schemas.dynamo import (
     StoredData,
 )
 from kvbridge.schemas.tiers import Tier, TieredEvent
-from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch
+from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch, decode_batch
 
 __all__ = ["MAIN_ATTENTION_KINDS", "DropReason", "Normalizer"]
 
@@ -208,6 +209,20 @@ class Normalizer:
         if gone:
             out.append(self._removal(dp_rank, event_id, gone_tier, gone))
         return out
+
+    def process(
+        self, batch: VllmBatch | bytes | memoryview, seq: int | None = None
+    ) -> NormalizedBatch:
+        """:meth:`normalize` for pipelines: a payload or a batch in, a :class:`NormalizedBatch`
+        out. A payload that does not decode raises :class:`~kvbridge.schemas.SchemaError` and
+        leaves the state unchanged."""
+        if not isinstance(batch, VllmBatch):
+            batch = decode_batch(batch)
+        return NormalizedBatch(self.normalize(batch, seq), self.block_size)
+
+    def process_reset(self, dp_rank: int | None = None) -> NormalizedBatch:
+        """:meth:`reset` for pipelines."""
+        return NormalizedBatch(self.reset(dp_rank), self.block_size)
 
     def reset(self, dp_rank: int | None = None) -> list[TieredEvent]:
         """Forget a rank's state (or every known rank's) and return the clears that undo it
