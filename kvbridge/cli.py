@@ -20,12 +20,11 @@ import zmq
 from kvbridge.adapters.capture import CaptureError, CaptureReader, CaptureWriter, replay_capture
 from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.metrics import serve_metrics
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.validation import Report, render_text, validate_captures
 from kvbridge.adapters.watch import WatchView
 from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, StreamReset, Subscriber
-from kvbridge.normalizers import Normalizer
-from kvbridge.schemas import SchemaError, decode_batch
 from kvbridge.schemas.export import json_schema
 
 __all__ = ["main"]
@@ -73,22 +72,13 @@ def _demo(args: argparse.Namespace) -> int:
     if not block_size:
         raise SystemExit("kvbridge demo: error: the capture names no block size; pass --block-size")
     index = TieredIndex(block_size)
-    normalizers: dict[int, Normalizer] = {}
-    bad = messages = 0
+    pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
     for record in reader:
-        messages += 1
-        normalizer = normalizers.setdefault(
-            record.worker_id, Normalizer(record.worker_id, block_size)
-        )
-        try:
-            batch = decode_batch(record.frames[-1])
-        except SchemaError as error:
-            bad += 1
-            log.warning("bad frame", stream=record.stream, seq=record.seq, error=str(error))
-            continue
-        index.apply(normalizer.normalize(batch, record.seq))
+        pipeline.feed_record(record)  # a bad frame is logged, counted and skipped
+    messages, bad = pipeline.stats["batches_in"], pipeline.stats["bad_frame:schema"]
     print(f"{path.name}: {messages} messages, {bad} bad, block size {block_size}")
-    for worker_id, normalizer in sorted(normalizers.items()):
+    for worker_id, worker in sorted(pipeline.workers.items()):
+        normalizer = worker.normalizer
         drops = ", ".join(f"{k}={v}" for k, v in sorted(normalizer.stats.items())) or "none"
         print(f"worker {worker_id}: not forwarded: {drops}")
     prompts = reader.meta.get("prompts", [])

@@ -1,8 +1,9 @@
 """The relay: vLLM streams in, a canonical stream per worker out, that unmodified Dynamo indexes.
 
-Each source goes ``Subscriber`` → ``decode_batch`` → its worker's ``Normalizer``; the canonical
-events are re-encoded (:mod:`kvbridge.normalizers.canonical`) and published on an output stream
-of its own, with a replay ROUTER speaking vLLM's 0.26+ replay protocol. Dynamo registers each
+Each source goes ``Subscriber`` → :class:`~kvbridge.adapters.pipeline.StreamPipeline` (its
+worker's ``Normalizer``, per-source resets, bad frames skipped); the canonical payloads are
+published on an output stream of its own, with a replay ROUTER speaking vLLM's 0.26+ replay
+protocol. Dynamo registers each
 worker with the relay's endpoints instead of the engine's and recovers from gaps the usual way.
 
 Outputs mirror the sources one to one, offset the way vLLM offsets data-parallel ranks: the
@@ -18,7 +19,8 @@ relay sees as its input sequence going back, goes out as an ``AllBlocksCleared``
 whose sequence keeps increasing.
 
 Without a publish endpoint the relay only tracks state (``kvbridge watch``); with an ``index``
-it also feeds an in-process :class:`~kvbridge.adapters.dynamo.TieredIndex`.
+it also feeds an in-process :class:`~kvbridge.adapters.dynamo.TieredIndex`. Both are sinks of
+the pipeline: the index sees every source, each publisher its own.
 """
 
 from __future__ import annotations
@@ -29,22 +31,17 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Final
 
-import structlog
 import zmq
 
 from kvbridge.adapters.dynamo import TieredIndex
+from kvbridge.adapters.pipeline import IndexSink, PublisherSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Message, Source, StreamReset, Subscriber
-from kvbridge.normalizers import Normalizer
-from kvbridge.normalizers.canonical import encode_canonical
-from kvbridge.schemas import SchemaError, TieredEvent, decode_batch
+from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, Subscriber
 
 __all__ = ["Relay", "offset_endpoint"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 _STOP_TIMEOUT_S: Final = 5.0
-
-log = structlog.get_logger("kvbridge.relay")
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
@@ -55,22 +52,6 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     if not sep or not port.isdigit() or not endpoint.startswith("tcp://"):
         raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
     return f"{head}:{int(port) + offset}"
-
-
-class _Worker:
-    """One worker's normalizer, shared by its sources (one per dp rank)."""
-
-    __slots__ = ("lag", "normalizer", "ranks", "uncleared")
-
-    def __init__(self, normalizer: Normalizer) -> None:
-        self.normalizer = normalizer
-        self.ranks: dict[Source, set[int]] = {}
-        """The dp ranks seen on each source, to clear when that source resets."""
-        self.uncleared: set[Source] = set()
-        """Sources reset before any batch named their rank: the first one that does is
-        preceded by a clear of that rank, since Dynamo may hold its blocks from before."""
-        self.lag = 0.0
-        """Seconds between the engine step and its batch reaching the relay, last batch."""
 
 
 class Relay:
@@ -103,14 +84,17 @@ class Relay:
         )
         self.stats: Counter[str] = Counter()
         """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
-        self.workers: dict[int, _Worker] = {}
+        self.pipeline = StreamPipeline(
+            block_size, sinks=[IndexSink(index)] if index is not None else (), stats=self.stats
+        )
+        self.workers: dict[int, WorkerState] = self.pipeline.workers
+        """Each worker's normalizer and lag, by worker id (the pipeline's own)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.outputs: dict[Source, Publisher] = {}
         first_seq = time.time_ns() // 1000
         for offset, source in enumerate(sources):
-            if source.worker_id not in self.workers:
-                self.workers[source.worker_id] = _Worker(Normalizer(source.worker_id, block_size))
+            self.pipeline.add_source(source)
             if publish is None:
                 continue
             publisher = Publisher(
@@ -125,6 +109,7 @@ class Relay:
             if publish_replay:
                 publisher.start_replay_thread()
             self.outputs[source] = publisher
+            self.pipeline.add_source(source, PublisherSink(publisher, self.stats))
 
     def endpoints(self, source: Source) -> tuple[str, str | None]:
         """The bound publish and replay endpoints that republish ``source``."""
@@ -135,10 +120,7 @@ class Relay:
         """Process whatever arrives within ``timeout_ms``; returns the number of batches."""
         items = self.subscriber.poll(timeout_ms)
         for item in items:
-            if isinstance(item, StreamReset):
-                self._reset(item)
-            else:
-                self._relay(item)
+            self.pipeline.feed(item)
         return len(items)
 
     def run(self, stop: threading.Event, timeout_ms: int = 100) -> None:
@@ -155,59 +137,6 @@ class Relay:
             target=self.run, args=(self._stop,), name="kvbridge-relay", daemon=True
         )
         self._thread.start()
-
-    def _relay(self, message: Message) -> None:
-        self.stats["batches_in"] += 1
-        worker = self.workers[message.source.worker_id]
-        try:
-            batch = decode_batch(message.payload)
-        except SchemaError as error:
-            self.stats["bad_frame:schema"] += 1
-            log.warning(
-                "bad frame skipped",
-                stream=message.source.endpoint,
-                seq=message.seq,
-                reason="schema",
-                error=str(error),
-            )
-            return
-        rank = batch.data_parallel_rank or 0
-        worker.ranks.setdefault(message.source, set()).add(rank)
-        worker.lag = max(0.0, time.time() - batch.ts)
-        events = []
-        if message.source in worker.uncleared:
-            worker.uncleared.discard(message.source)
-            events = worker.normalizer.reset(rank)
-        events += worker.normalizer.normalize(batch, message.seq)
-        self._emit(message.source, events, batch.ts)
-
-    def _reset(self, reset: StreamReset) -> None:
-        worker = self.workers[reset.source.worker_id]
-        events: list[TieredEvent] = []
-        ranks = worker.ranks.pop(reset.source, set())
-        if not ranks:
-            worker.uncleared.add(reset.source)
-        for rank in sorted(ranks):
-            events.extend(worker.normalizer.reset(rank))
-        log.warning(
-            "worker cleared",
-            worker_id=reset.source.worker_id,
-            stream=reset.source.endpoint,
-            reason=reset.reason,
-            lost_batches=reset.lost_batches,
-        )
-        self._emit(reset.source, events, time.time())
-
-    def _emit(self, source: Source, events: list[TieredEvent], ts: float) -> None:
-        if not events:
-            return
-        if self.index is not None:
-            self.index.apply(events)
-        publisher = self.outputs.get(source)
-        if publisher is not None:
-            for payload in encode_canonical(events, self.block_size, ts):
-                publisher.publish(payload)
-                self.stats["batches_out"] += 1
 
     def close(self) -> None:
         """Stop the thread :meth:`start` started, if any, and close the sockets. Idempotent."""

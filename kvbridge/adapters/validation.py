@@ -1,10 +1,11 @@
 """``kvbridge validate``: check recorded streams against the schemas, frame by frame.
 
-Every frame of every capture is decoded and normalized exactly as the relay would. A frame that
-cannot be decoded is a problem; with ``strict``, so are unknown fields (the engine sends
-something this kvbridge does not know yet) and blocks the normalizer would not forward. Each
-problem names the capture, the record, the stream, the sequence number and, where it lies inside
-an event, the event index and the field.
+Every frame of every capture is decoded and normalized exactly as the relay would, through the
+same :class:`~kvbridge.adapters.pipeline.StreamPipeline`. A frame that cannot be decoded is a
+problem; with ``strict``, so are unknown fields (the engine sends something this kvbridge does
+not know yet) and blocks the normalizer would not forward. Each problem names the capture, the
+record, the stream, the sequence number and, where it lies inside an event, the event index and
+the field.
 
 The JSON report is a :class:`Report`; ``kvbridge validate --json-schema`` prints its schema.
 """
@@ -20,7 +21,8 @@ import msgspec
 from msgspec.structs import replace
 
 from kvbridge.adapters.capture import CaptureReader, FrameRecord
-from kvbridge.normalizers import DropReason, Normalizer
+from kvbridge.adapters.pipeline import StreamPipeline
+from kvbridge.normalizers import DropReason
 from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
 __all__ = ["Problem", "Report", "render_text", "validate_captures"]
@@ -68,24 +70,32 @@ class Report(msgspec.Struct):
 
 
 class _Stream:
-    """Normalizer state of one worker across the frames of the captures."""
+    """One worker across the frames of a capture: a pipeline of its own, started once its block
+    size is known.
+
+    Validation decodes each frame itself (it reports the schema errors, counts the vLLM events
+    and finds the block size in the first store with tokens), so the pipeline gets the decoded
+    batch and does not decode it again. A pipeline per worker, not per capture, because each
+    worker may find its own block size.
+    """
 
     def __init__(self, worker_id: int, block_size: int | None) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
-        self.normalizer: Normalizer | None = None
+        self.pipeline: StreamPipeline | None = None
 
-    def normalize(self, batch: VllmBatch, seq: int | None) -> Counter[str]:
-        """Normalize a batch; returns what it added to the drop counters."""
-        if self.normalizer is None:
+    def normalize(self, record: FrameRecord, batch: VllmBatch) -> Counter[str]:
+        """Normalize a record's decoded batch; returns what it added to the drop counters."""
+        if self.pipeline is None:
             size = self.block_size or _block_size_of(batch)
             if size is None:
                 return Counter()  # nothing indexable yet: wait for a store with tokens
-            self.normalizer = Normalizer(self.worker_id, size)
-        before = Counter(self.normalizer.dropped)
-        self.normalizer.normalize(batch, seq)
+            self.pipeline = StreamPipeline(size)
+        normalizer = self.pipeline.worker(self.worker_id).normalizer
+        before = Counter(normalizer.dropped)
+        self.pipeline.feed_record(record, decoded=batch)
         added: Counter[str] = Counter()
-        for (_, _, reason), count in (self.normalizer.dropped - before).items():
+        for (_, _, reason), count in (normalizer.dropped - before).items():
             added[reason] += count
         return added
 
@@ -146,7 +156,7 @@ def validate_captures(
                 continue
             events += len(batch.events)
             unknown += batch.unknown_fields
-            drops = stream.normalize(batch, record.seq)
+            drops = stream.normalize(record, batch)
             dropped.update(drops)
             if not strict:
                 continue

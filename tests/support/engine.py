@@ -9,7 +9,8 @@ are evicted), which is how a block pool behaves and keeps every store a chain un
 parent.
 
 :func:`index_of` builds the lossless reference: every payload decoded, normalised and indexed
-directly, without any socket in between.
+by the relay's :class:`~kvbridge.adapters.pipeline.StreamPipeline`, without any socket in
+between.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvbridge import Normalizer, TieredIndex, VllmBatch, decode_batch
+from kvbridge import TieredIndex, VllmBatch
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
+from kvbridge.adapters.zmq import Source
 from kvbridge.schemas.vllm import (
     AllBlocksCleared,
     BlockRemoved,
@@ -248,11 +251,15 @@ class Engine:
 
 
 def index_of(payloads: Iterable[bytes], *, worker_id: int, block_size: int) -> TieredIndex:
-    """The lossless reference: decode, normalise (seq = position) and index every payload."""
-    normalizer = Normalizer(worker_id, block_size)
+    """The lossless reference: every payload through the relay's own pipeline (seq = position)
+    into an index, with no socket in between. A payload that does not decode fails here: a
+    reference that skipped one would not be lossless."""
     index = TieredIndex(block_size)
+    pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
+    source = Source(f"reference:{worker_id}", worker_id=worker_id)
     for seq, payload in enumerate(payloads):
-        index.apply(normalizer.normalize(decode_batch(payload), seq))
+        pipeline.feed_batch(source, payload, seq)
+        assert not pipeline.stats["bad_frame:schema"], f"payload {seq} does not decode"
     return index
 
 

@@ -7,10 +7,11 @@ u64 it publishes (vllm-kv-events.md 6.2), or as the raw 32-byte digest.
 
 A :class:`WorkerStream` owns one :class:`~kvbridge.adapters.publisher.Publisher` per dp rank,
 registers the worker with a :class:`~support.selection.SelectionHarness`, and sends every batch
-twice from the *same bytes*: over ZMQ to the service, and through
-``decode_batch`` → ``Normalizer.normalize`` → ``TieredIndex.apply``. :meth:`WorkerStream.sync`
-publishes a sentinel chain (GPU → CPU → DISK) on each rank and waits until the service reports
-it, so every batch published before it on that rank has been applied on every tier.
+twice from the *same bytes*: over ZMQ to the service, and through the relay's
+:class:`~kvbridge.adapters.pipeline.StreamPipeline` into a ``TieredIndex``.
+:meth:`WorkerStream.sync` publishes a sentinel chain (GPU → CPU → DISK) on each rank and waits
+until the service reports it, so every batch published before it on that rank has been applied
+on every tier.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self
 
-from kvbridge import Normalizer, TieredIndex, decode_batch
+from kvbridge import TieredIndex
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.zmq import Source
 from kvbridge.schemas.vllm import (
     AllBlocksCleared,
     BlockRemoved,
@@ -162,7 +165,8 @@ def kvbridge_overlap(index: TieredIndex, tokens: Sequence[int], **kwargs: Any) -
 
 
 class WorkerStream:
-    """One worker: a Publisher per dp rank, registered with the service, and a Normalizer."""
+    """One worker: a Publisher per dp rank, registered with the service, and a pipeline
+    (one source per rank, one Normalizer for the worker) into ``index``."""
 
     def __init__(
         self,
@@ -180,12 +184,15 @@ class WorkerStream:
         self.worker_id = worker_id
         self.block_size = block_size
         self.layouts = {rank: layout_for((releases or {}).get(rank, release)) for rank in ranks}
-        self.normalizer = Normalizer(worker_id, block_size)
+        self.pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
+        self.normalizer = self.pipeline.worker(worker_id).normalizer
         self.publishers: dict[int, Publisher] = {}
+        self.sources: dict[int, Source] = {}
         self._sentinels = 0
         try:
             for rank in ranks:
                 self.publishers[rank] = Publisher(LOCAL, bind=True)
+                self.sources[rank] = Source(self.publishers[rank].endpoint, worker_id=worker_id)
             harness.add_worker(
                 worker_id,
                 block_size=block_size,
@@ -203,7 +210,8 @@ class WorkerStream:
         seq = pub.next_seq
         payload = encode_batch(VllmBatch(_TS0 + seq, list(events), rank), self.layouts[rank])
         assert pub.publish(payload) == seq
-        self.index.apply(self.normalizer.normalize(decode_batch(payload), seq))
+        self.pipeline.feed_batch(self.sources[rank], payload, seq)
+        assert not self.pipeline.stats["bad_frame:schema"], f"batch {seq} does not decode"
         return seq
 
     def clear(self, rank: int = 0) -> int:

@@ -1,0 +1,279 @@
+"""The one path from vLLM worker streams to canonical events: frames or resets in, sinks out.
+
+The relay, ``kvbridge demo``, ``kvbridge validate`` and the test references all do the same
+thing with a worker's stream, and it is easy to get subtly wrong when written several times:
+
+- each payload goes to its worker's :class:`~kvbridge.normalizers.Normalizer` (one per worker
+  id, shared by all of that worker's sources, since a worker's dp ranks share one block space
+  in Dynamo);
+- a payload that does not decode is counted (``bad_frame:schema``), logged with its stream and
+  sequence number, and skipped, leaving every state as it was;
+- a reset of one source (:class:`~kvbridge.adapters.zmq.StreamReset`: the engine restarted or
+  batches were lost for good) clears exactly the dp ranks that source delivered, and nothing
+  of the worker's other sources;
+- a source reset before any batch named its rank is *uncleared*: its first batch is preceded
+  by a clear of that batch's rank, because a consumer may still hold that rank's blocks from
+  before (a restarted relay, an engine that restarted while nobody listened);
+- every non-empty result goes to the sinks, as a
+  :class:`~kvbridge.normalizers.batch.NormalizedBatch`.
+
+:class:`StreamPipeline` is that path. It leaves decoding and encoding to the normalizer's
+:meth:`~kvbridge.normalizers.Normalizer.process` and to
+:meth:`~kvbridge.normalizers.batch.NormalizedBatch.canonical_payloads`, so that a native
+implementation can take over both, down to producing the relay's bytes without building
+Python events when only a publisher listens.
+
+The one thing it reads from a payload itself is the batch's envelope, ``[ts, events,
+dp_rank]`` with the events left undecoded (:func:`_envelope`): the per-source ranks, the lag and
+the canonical stream's timestamps need the batch's rank and engine time, which a
+``NormalizedBatch`` does not carry, and an uncleared source needs its rank *before* the batch
+is normalized.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Protocol
+
+import msgspec
+import structlog
+
+from kvbridge.adapters.capture import FrameRecord
+from kvbridge.adapters.dynamo import TieredIndex
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.zmq import Message, Source, StreamReset
+from kvbridge.normalizers import Normalizer
+from kvbridge.normalizers.batch import NormalizedBatch
+from kvbridge.schemas import SchemaError, VllmBatch
+
+__all__ = [
+    "EventSink",
+    "IndexSink",
+    "PublisherSink",
+    "StreamPipeline",
+    "WorkerState",
+    "record_source",
+]
+
+log = structlog.get_logger("kvbridge.pipeline")
+
+
+class EventSink(Protocol):
+    """Where canonical events go: an index, a canonical publisher, anything that consumes them.
+
+    ``source`` is the stream the events came from (a sink per source, such as a relay output,
+    ignores it); ``ts`` is the engine time of the batch, or the time of a reset, for sinks that
+    republish.
+    """
+
+    def apply(self, batch: NormalizedBatch, source: Source, ts: float, /) -> None: ...
+
+
+class IndexSink:
+    """Feeds a :class:`~kvbridge.adapters.dynamo.TieredIndex`.
+
+    An adapter rather than a method of the index: ``TieredIndex.apply`` takes any iterable of
+    events and is called that way by many users; a sink is a pipeline's view of it.
+    """
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: TieredIndex) -> None:
+        self.index = index
+
+    def apply(self, batch: NormalizedBatch, source: Source, ts: float, /) -> None:
+        self.index.apply(batch.events)
+
+
+class PublisherSink:
+    """Republishes canonical payloads on a :class:`~kvbridge.adapters.publisher.Publisher`.
+
+    Only asks the batch for its payloads (never for its events), so that a native normalizer
+    can hand over bytes it encoded itself. ``stats``, if given, counts ``batches_out``.
+    """
+
+    __slots__ = ("publisher", "stats")
+
+    def __init__(self, publisher: Publisher, stats: Counter[str] | None = None) -> None:
+        self.publisher = publisher
+        self.stats = stats
+
+    def apply(self, batch: NormalizedBatch, source: Source, ts: float, /) -> None:
+        for payload in batch.canonical_payloads(ts):
+            self.publisher.publish(payload)
+            if self.stats is not None:
+                self.stats["batches_out"] += 1
+
+
+class WorkerState:
+    """One worker's normalizer, shared by its sources (one per dp rank), and what the pipeline
+    remembers per source to reset exactly what that source delivered."""
+
+    __slots__ = ("lag", "normalizer", "ranks", "uncleared")
+
+    def __init__(self, normalizer: Normalizer) -> None:
+        self.normalizer = normalizer
+        self.ranks: dict[Source, set[int]] = {}
+        """The dp ranks seen on each source, to clear when that source resets."""
+        self.uncleared: set[Source] = set()
+        """Sources reset before any batch named their rank: the first one that does is
+        preceded by a clear of that rank, since a consumer may hold its blocks from before."""
+        self.lag = 0.0
+        """Seconds between the engine step and its batch reaching the pipeline, last batch."""
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    """A vLLM batch without its events: as lenient as any layout ``decode_batch`` accepts
+    (every release sends ``[ts, events]`` or ``[ts, events, dp_rank]``, maybe more after)."""
+
+    ts: float
+    events: msgspec.Raw
+    data_parallel_rank: int | None = None
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+
+
+def _envelope(batch: bytes | memoryview | VllmBatch) -> tuple[float, int]:
+    """The batch's engine time and dp rank, without decoding its events.
+
+    Raises:
+        SchemaError: the payload is not a vLLM batch (then ``decode_batch`` rejects it too).
+    """
+    if isinstance(batch, VllmBatch):
+        return batch.ts, batch.data_parallel_rank or 0
+    try:
+        envelope = _ENVELOPE.decode(batch)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise SchemaError(f"batch: {error}") from error
+    return envelope.ts, envelope.data_parallel_rank or 0
+
+
+def record_source(record: FrameRecord) -> Source:
+    """The source a capture record came from; a replayed record (stream ``replay:<endpoint>``)
+    belongs to the same source as the live ones."""
+    return Source(record.stream.removeprefix("replay:"), worker_id=record.worker_id)
+
+
+class StreamPipeline:
+    """Normalizes the streams of any number of workers and hands the results to sinks.
+
+    ``sinks`` get the events of every source; :meth:`add_source` adds sinks of one source (a
+    relay's per-source output). ``stats`` counts ``batches_in`` (every payload fed, good or
+    bad) and ``bad_frame:schema``; pass a counter to share it with the caller's own.
+
+    Not thread-safe: feed it from one thread.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        sinks: Iterable[EventSink] = (),
+        stats: Counter[str] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.sinks: list[EventSink] = list(sinks)
+        self.source_sinks: dict[Source, list[EventSink]] = {}
+        self.workers: dict[int, WorkerState] = {}
+        self.stats: Counter[str] = Counter() if stats is None else stats
+
+    def worker(self, worker_id: int) -> WorkerState:
+        """The state of ``worker_id``, created with a fresh normalizer on first use."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            worker = self.workers[worker_id] = WorkerState(Normalizer(worker_id, self.block_size))
+        return worker
+
+    def add_source(self, source: Source, *sinks: EventSink) -> WorkerState:
+        """Register ``source`` (and its worker, so that it is listed before any batch arrives),
+        with sinks that get only this source's events."""
+        if sinks:
+            self.source_sinks.setdefault(source, []).extend(sinks)
+        return self.worker(source.worker_id)
+
+    def feed(self, item: Message | StreamReset) -> None:
+        """What a :class:`~kvbridge.adapters.zmq.Subscriber` hands out: a batch or a reset."""
+        if isinstance(item, StreamReset):
+            self.feed_reset(item)
+        else:
+            self.feed_batch(item.source, item.payload, item.seq)
+
+    def feed_record(self, record: FrameRecord, *, decoded: VllmBatch | None = None) -> None:
+        """A capture record: its last frame is the payload. ``decoded`` is that payload already
+        decoded, by a caller that inspects batches itself (``kvbridge validate``)."""
+        payload = record.frames[-1] if record.frames else b""
+        batch = payload if decoded is None else decoded
+        self.feed_batch(record_source(record), batch, record.seq)
+
+    def feed_batch(
+        self, source: Source, batch: bytes | memoryview | VllmBatch, seq: int | None
+    ) -> None:
+        """One batch of ``source``: a payload (frame 2), or a batch already decoded.
+
+        ``seq`` becomes the Dynamo ``event_id`` of its events (``None``: the normalizer counts).
+        """
+        self.stats["batches_in"] += 1
+        worker = self.worker(source.worker_id)
+        normalizer = worker.normalizer
+        cleared: NormalizedBatch | None = None
+        if source in worker.uncleared:
+            # The rank is only known from the batch, and the clear must come before it.
+            try:
+                ts, rank = _envelope(batch)
+            except SchemaError:
+                pass  # process() rejects it below, with the decoder's own message
+            else:
+                worker.uncleared.discard(source)
+                cleared = normalizer.process_reset(rank)
+        try:
+            normalized = normalizer.process(batch, seq)
+        except SchemaError as error:
+            self.stats["bad_frame:schema"] += 1
+            log.warning(
+                "bad frame skipped",
+                stream=source.endpoint,
+                seq=seq,
+                reason="schema",
+                error=str(error),
+            )
+            if cleared is not None:
+                # The normalizer has forgotten the rank: the sinks must forget it too. The
+                # source counts as cleared; the bad batch delivered no rank.
+                self._emit(source, cleared, time.time())
+            return
+        ts, rank = _envelope(batch)  # it decoded, so its envelope does
+        worker.ranks.setdefault(source, set()).add(rank)
+        worker.lag = max(0.0, time.time() - ts)
+        if cleared is not None:
+            self._emit(source, cleared, ts)
+        self._emit(source, normalized, ts)
+
+    def feed_reset(self, reset: StreamReset) -> None:
+        """Clear the ranks ``reset.source`` delivered, or, if it delivered none yet, mark it
+        uncleared so that its first batch clears its rank."""
+        source = reset.source
+        worker = self.worker(source.worker_id)
+        ranks = worker.ranks.pop(source, set())
+        if not ranks:
+            worker.uncleared.add(source)
+        log.warning(
+            "worker cleared",
+            worker_id=source.worker_id,
+            stream=source.endpoint,
+            reason=reset.reason,
+            lost_batches=reset.lost_batches,
+        )
+        now = time.time()
+        for rank in sorted(ranks):
+            self._emit(source, worker.normalizer.process_reset(rank), now)
+
+    def _emit(self, source: Source, batch: NormalizedBatch, ts: float) -> None:
+        if not batch:
+            return
+        for sink in self.sinks:
+            sink.apply(batch, source, ts)
+        for sink in self.source_sinks.get(source, ()):
+            sink.apply(batch, source, ts)
