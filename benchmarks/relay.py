@@ -38,10 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from normalize import VARIANTS, count_blocks, encode_steps, simulate
 
-from kvbridge import Normalizer, decode_batch
+from kvbridge import Normalizer
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Source
-from kvbridge.normalizers.canonical import encode_canonical
 
 TOPIC = b"kv-events"
 
@@ -154,8 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = sum(count_blocks(payloads)[0].values())
     normalizer = Normalizer(1, variant.block_size)
     outputs = sum(
-        len(encode_canonical(normalizer.normalize(decode_batch(p), s), variant.block_size, 0.0))
-        for s, p in enumerate(payloads)
+        len(normalizer.process(p, s).canonical_payloads(0.0)) for s, p in enumerate(payloads)
     )
     print(f"workload: {variant.name.split()[0]} {len(payloads)} payloads, {blocks} blocks in")
     print(f"relay output: {outputs} payloads (a batch whose events were all dropped sends none)")

@@ -34,13 +34,6 @@ StepEvents = tuple[list[TieredEvent], list[bytes]] | None
 """A step's events and canonical payloads (``None`` for a payload that does not decode)."""
 
 
-def canonical_payloads(events: list[TieredEvent], block_size: int, ts: float) -> list[bytes]:
-    """The relay's output bytes for ``events``: the one place that names the encoder."""
-    from kvbridge.normalizers.canonical import encode_canonical
-
-    return encode_canonical(events, block_size, ts)
-
-
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
@@ -98,7 +91,6 @@ def replay(
 ) -> tuple[list[dict[str, Any]], list[StepEvents], dict[str, Any] | None]:
     """Runs the recorded schedule: the steps, their events, the state before the final reset."""
     normalizer = Normalizer(expected["worker_id"], expected["block_size"])
-    block_size = expected["block_size"]
     payloads = iter(source_payloads(expected["source"]))
     steps: list[dict[str, Any]] = []
     full: list[StepEvents] = []
@@ -116,16 +108,18 @@ def replay(
                 steps.append({**step, "error": "SchemaError"})
                 full.append(None)
                 continue
-            events = list(normalizer.normalize(batch, seq))
+            # The payload's own bytes go to the core; decode_batch gives the recorded ts.
+            output = normalizer.process(payload, seq)
             ts = batch.ts
         else:
             if index == last:
                 state = state_of(normalizer)
             dp_rank = planned["dp_rank"]
             step = {"op": "reset", "dp_rank": dp_rank}
-            events = list(normalizer.reset() if dp_rank is None else normalizer.reset(dp_rank))
+            output = normalizer.process_reset(dp_rank)
             ts = 0.0
-        canonical = canonical_payloads(events, block_size, ts)
+        events = list(output.events)
+        canonical = output.canonical_payloads(ts)
         step.update(
             events=len(events),
             digest=digest(msgspec.msgpack.encode(events)),

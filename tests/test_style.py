@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
+
+from kvbridge.schemas import Tier
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,3 +41,50 @@ def test_mypy_strict() -> None:
     result = _run(sys.executable, "-m", "mypy", "--strict", "kvbridge")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Success: no issues found" in result.stdout
+
+
+NATIVE = ROOT / "native"
+
+
+def _cargo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["cargo", *args], cwd=NATIVE, capture_output=True, text=True, check=False)
+
+
+def test_cargo_fmt() -> None:
+    result = _cargo("fmt", "--all", "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cargo_clippy() -> None:
+    result = _cargo("clippy", "--locked", "--all-targets", "--", "-D", "warnings")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cargo_test() -> None:
+    result = _cargo("test", "--locked", "-p", "kvbridge-core")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "test result: ok" in result.stdout
+
+
+def test_layout_table_has_one_meaning_in_both_languages() -> None:
+    """The Rust core's field table and the Python layout table describe the same wire format."""
+    from kvbridge import _core
+    from kvbridge.schemas import vllm
+
+    assert tuple(_core.STORED_FIELDS) == vllm.STORED_FIELDS
+    assert tuple(_core.REMOVED_FIELDS) == vllm.REMOVED_FIELDS
+    array_era = [layout for layout in vllm.LAYOUTS if layout.encoding == "array"][-1]
+    assert array_era.stored_fields == _core.STORED_ARRAY_FIELDS
+    assert array_era.removed_fields == _core.REMOVED_ARRAY_FIELDS
+    required = {
+        tag: sum(1 for f in msgspec.structs.fields(cls) if f.required)
+        for tag, cls in (("stored", vllm.BlockStored), ("removed", vllm.BlockRemoved))
+    }
+    assert (
+        required["stored"],
+        required["removed"],
+    ) == (_core.STORED_REQUIRED, _core.REMOVED_REQUIRED)
+    from kvbridge.normalizers.media import MEDIA
+
+    assert dict(_core.MEDIA) == {name: tier.value for name, tier in MEDIA.items()}
+    assert [tier.value for tier in Tier] == _core.TIERS

@@ -3,40 +3,50 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Final
 
-from kvbridge.normalizers.canonical import encode_canonical
+import msgspec
+
+from kvbridge import _core
 from kvbridge.schemas.tiers import TieredEvent
 
 __all__ = ["NormalizedBatch"]
+
+_TIERED_EVENTS: Final = msgspec.msgpack.Decoder(list[TieredEvent])
 
 
 class NormalizedBatch(Sequence[TieredEvent]):
     """The canonical events of one input batch (or of a reset), for any sink.
 
-    A sink that republishes asks for :meth:`canonical_payloads`; one that indexes iterates the
-    events. Both views describe the same events.
+    The core keeps them as it wrote them. A sink that republishes asks for
+    :meth:`canonical_payloads`, bytes made without a Python object per block; one that indexes
+    iterates the :class:`TieredEvent` values, built on first use in one msgspec pass.
     """
 
-    __slots__ = ("_block_size", "_events")
+    __slots__ = ("_events", "_output")
 
-    def __init__(self, events: list[TieredEvent], block_size: int) -> None:
-        self._events = events
-        self._block_size = block_size
+    def __init__(self, output: _core.Output) -> None:
+        self._output = output
+        self._events: list[TieredEvent] | None = None
 
     def __len__(self) -> int:
-        return len(self._events)
+        return len(self._output)
 
     def __iter__(self) -> Iterator[TieredEvent]:
-        return iter(self._events)
+        return iter(self.events)
 
     def __getitem__(self, index: int) -> TieredEvent:  # type: ignore[override]
-        return self._events[index]
+        return self.events[index]
 
     @property
     def events(self) -> list[TieredEvent]:
         """The events as :class:`TieredEvent` values."""
+        if self._events is None:
+            self._events = _TIERED_EVENTS.decode(self._output.tiered_events())
         return self._events
 
     def canonical_payloads(self, ts: float) -> list[bytes]:
-        """The canonical vLLM payloads that republish these events, one per dp-rank run."""
-        return encode_canonical(self._events, self._block_size, ts)
+        """The canonical vLLM payloads that republish these events, one per dp-rank run: an
+        array batch of tagged-map events (vLLM 0.32's layout), canonical hashes, media Dynamo
+        knows, tokens on every store and the cache salt where Dynamo reads it."""
+        return self._output.canonical_payloads(ts)

@@ -1,0 +1,377 @@
+//! A zero-copy msgpack reader with bounds on everything, and the few writers the encoders need.
+//!
+//! The reader never allocates and never recurses without a depth check: a length that exceeds
+//! the bytes left, a truncated value, invalid UTF-8 or nesting past [`MAX_DEPTH`] is an error,
+//! whatever the input.
+
+use std::fmt;
+
+/// The deepest nesting any payload may have. Real payloads nest at most four levels (batch,
+/// events, event, extra keys); anything deeper is refused before it can exhaust a stack.
+pub const MAX_DEPTH: usize = 32;
+
+/// Why bytes are not the msgpack they should be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadError {
+    /// The input ends inside a value.
+    Truncated,
+    /// A marker byte msgpack does not define (0xc1).
+    BadMarker(u8),
+    /// A string that is not UTF-8.
+    Utf8,
+    /// Nesting deeper than [`MAX_DEPTH`].
+    TooDeep,
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadError::Truncated => f.write_str("input data was truncated"),
+            ReadError::BadMarker(byte) => write!(f, "invalid opcode, '\\x{byte:02x}'"),
+            ReadError::Utf8 => f.write_str("invalid utf-8"),
+            ReadError::TooDeep => write!(f, "nesting deeper than {MAX_DEPTH} levels"),
+        }
+    }
+}
+
+/// One msgpack item: a scalar, or the header of a container whose items follow.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Item<'a> {
+    Nil,
+    Bool(bool),
+    /// A non-negative integer.
+    UInt(u64),
+    /// A negative integer.
+    NegInt(i64),
+    Float(f64),
+    Str(&'a str),
+    Bin(&'a [u8]),
+    Array(usize),
+    Map(usize),
+    Ext(i8, &'a [u8]),
+}
+
+impl Item<'_> {
+    /// The type name msgspec uses in its errors.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Item::Nil => "null",
+            Item::Bool(_) => "bool",
+            Item::UInt(_) | Item::NegInt(_) => "int",
+            Item::Float(_) => "float",
+            Item::Str(_) => "str",
+            Item::Bin(_) => "bytes",
+            Item::Array(_) => "array",
+            Item::Map(_) => "object",
+            Item::Ext(..) => "ext",
+        }
+    }
+}
+
+/// A cursor over msgpack bytes.
+#[derive(Debug, Clone)]
+pub struct Reader<'a> {
+    data: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(data: &'a [u8]) -> Self {
+        Reader { data, pos: 0 }
+    }
+
+    /// The offset of the next item.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// The bytes from `start` to the cursor.
+    pub fn since(&self, start: usize) -> &'a [u8] {
+        &self.data[start..self.pos]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos >= self.data.len()
+    }
+
+    /// The next marker byte, without consuming it.
+    pub fn peek(&self) -> Option<u8> {
+        self.data.get(self.pos).copied()
+    }
+
+    fn take(&mut self, count: usize) -> Result<&'a [u8], ReadError> {
+        let end = self.pos.checked_add(count).ok_or(ReadError::Truncated)?;
+        let bytes = self.data.get(self.pos..end).ok_or(ReadError::Truncated)?;
+        self.pos = end;
+        Ok(bytes)
+    }
+
+    fn byte(&mut self) -> Result<u8, ReadError> {
+        let byte = *self.data.get(self.pos).ok_or(ReadError::Truncated)?;
+        self.pos += 1;
+        Ok(byte)
+    }
+
+    fn be<const N: usize>(&mut self) -> Result<[u8; N], ReadError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn length(&mut self, width: usize) -> Result<usize, ReadError> {
+        Ok(match width {
+            1 => usize::from(self.byte()?),
+            2 => usize::from(u16::from_be_bytes(self.be()?)),
+            _ => u32::from_be_bytes(self.be()?) as usize,
+        })
+    }
+
+    /// A container length, checked against the bytes left (every item takes at least one).
+    fn container(&mut self, items: usize, per_item: usize) -> Result<usize, ReadError> {
+        let left = self.data.len() - self.pos;
+        if items.saturating_mul(per_item) > left {
+            return Err(ReadError::Truncated);
+        }
+        Ok(items)
+    }
+
+    fn string(&mut self, len: usize) -> Result<Item<'a>, ReadError> {
+        let bytes = self.take(len)?;
+        std::str::from_utf8(bytes)
+            .map(Item::Str)
+            .map_err(|_| ReadError::Utf8)
+    }
+
+    fn ext(&mut self, len: usize) -> Result<Item<'a>, ReadError> {
+        let kind = self.byte()? as i8;
+        Ok(Item::Ext(kind, self.take(len)?))
+    }
+
+    /// Reads one item; a container's items are left for the following calls.
+    pub fn item(&mut self) -> Result<Item<'a>, ReadError> {
+        let marker = self.byte()?;
+        Ok(match marker {
+            0x00..=0x7f => Item::UInt(u64::from(marker)),
+            0x80..=0x8f => Item::Map(self.container(usize::from(marker & 0x0f), 2)?),
+            0x90..=0x9f => Item::Array(self.container(usize::from(marker & 0x0f), 1)?),
+            0xa0..=0xbf => self.string(usize::from(marker & 0x1f))?,
+            0xc0 => Item::Nil,
+            0xc1 => return Err(ReadError::BadMarker(marker)),
+            0xc2 => Item::Bool(false),
+            0xc3 => Item::Bool(true),
+            0xc4..=0xc6 => {
+                let len = self.length(1 << (marker - 0xc4))?;
+                Item::Bin(self.take(len)?)
+            }
+            0xc7..=0xc9 => {
+                let len = self.length(1 << (marker - 0xc7))?;
+                self.ext(len)?
+            }
+            0xca => Item::Float(f64::from(f32::from_be_bytes(self.be()?))),
+            0xcb => Item::Float(f64::from_be_bytes(self.be()?)),
+            0xcc => Item::UInt(u64::from(self.byte()?)),
+            0xcd => Item::UInt(u64::from(u16::from_be_bytes(self.be()?))),
+            0xce => Item::UInt(u64::from(u32::from_be_bytes(self.be()?))),
+            0xcf => Item::UInt(u64::from_be_bytes(self.be()?)),
+            0xd0 => int(i64::from(self.byte()? as i8)),
+            0xd1 => int(i64::from(i16::from_be_bytes(self.be()?))),
+            0xd2 => int(i64::from(i32::from_be_bytes(self.be()?))),
+            0xd3 => int(i64::from_be_bytes(self.be()?)),
+            0xd4..=0xd8 => self.ext(1 << (marker - 0xd4))?,
+            0xd9 => {
+                let len = self.length(1)?;
+                self.string(len)?
+            }
+            0xda => {
+                let len = self.length(2)?;
+                self.string(len)?
+            }
+            0xdb => {
+                let len = self.length(4)?;
+                self.string(len)?
+            }
+            0xdc | 0xdd => {
+                let len = self.length(if marker == 0xdc { 2 } else { 4 })?;
+                Item::Array(self.container(len, 1)?)
+            }
+            0xde | 0xdf => {
+                let len = self.length(if marker == 0xde { 2 } else { 4 })?;
+                Item::Map(self.container(len, 2)?)
+            }
+            0xe0..=0xff => Item::NegInt(i64::from(marker as i8)),
+        })
+    }
+
+    /// Skips one complete value, checking strings and nesting, `depth` levels below the top.
+    pub fn skip(&mut self, depth: usize) -> Result<(), ReadError> {
+        // An explicit stack of items left per open container: no recursion.
+        let mut pending: Vec<usize> = Vec::new();
+        let mut left = 1usize;
+        loop {
+            while left == 0 {
+                match pending.pop() {
+                    Some(outer) => left = outer,
+                    None => return Ok(()),
+                }
+            }
+            left -= 1;
+            let items = match self.item()? {
+                Item::Array(len) => len,
+                Item::Map(len) => len * 2,
+                _ => continue,
+            };
+            // The container just opened is nested this many levels deep, itself included.
+            if depth + pending.len() + 1 > MAX_DEPTH {
+                return Err(ReadError::TooDeep);
+            }
+            if items > 0 {
+                pending.push(left);
+                left = items;
+            }
+        }
+    }
+
+    /// Skips one value and returns its bytes.
+    pub fn raw(&mut self, depth: usize) -> Result<&'a [u8], ReadError> {
+        let start = self.pos;
+        self.skip(depth)?;
+        Ok(self.since(start))
+    }
+}
+
+fn int(value: i64) -> Item<'static> {
+    if value >= 0 {
+        Item::UInt(value as u64)
+    } else {
+        Item::NegInt(value)
+    }
+}
+
+/// Writers that produce the smallest encoding of each value, as msgspec does.
+pub mod write {
+    pub fn nil(out: &mut Vec<u8>) {
+        out.push(0xc0);
+    }
+
+    pub fn uint(out: &mut Vec<u8>, value: u64) {
+        if value < 0x80 {
+            out.push(value as u8);
+        } else if value <= u64::from(u8::MAX) {
+            out.extend_from_slice(&[0xcc, value as u8]);
+        } else if value <= u64::from(u16::MAX) {
+            out.push(0xcd);
+            out.extend_from_slice(&(value as u16).to_be_bytes());
+        } else if value <= u64::from(u32::MAX) {
+            out.push(0xce);
+            out.extend_from_slice(&(value as u32).to_be_bytes());
+        } else {
+            out.push(0xcf);
+            out.extend_from_slice(&value.to_be_bytes());
+        }
+    }
+
+    pub fn float(out: &mut Vec<u8>, value: f64) {
+        out.push(0xcb);
+        out.extend_from_slice(&value.to_be_bytes());
+    }
+
+    pub fn str(out: &mut Vec<u8>, value: &str) {
+        let len = value.len();
+        if len < 32 {
+            out.push(0xa0 | len as u8);
+        } else if len <= usize::from(u8::MAX) {
+            out.extend_from_slice(&[0xd9, len as u8]);
+        } else if len <= usize::from(u16::MAX) {
+            out.push(0xda);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            out.push(0xdb);
+            out.extend_from_slice(&(len as u32).to_be_bytes());
+        }
+        out.extend_from_slice(value.as_bytes());
+    }
+
+    pub fn array(out: &mut Vec<u8>, len: usize) {
+        if len < 16 {
+            out.push(0x90 | len as u8);
+        } else if len <= usize::from(u16::MAX) {
+            out.push(0xdc);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            out.push(0xdd);
+            out.extend_from_slice(&(len as u32).to_be_bytes());
+        }
+    }
+
+    /// A map header sized as msgspec sizes it: by the struct's field count, not the entries.
+    pub fn map(out: &mut Vec<u8>, len: usize, fields: usize) {
+        if fields < 16 {
+            out.push(0x80 | len as u8);
+        } else if fields <= usize::from(u16::MAX) {
+            out.push(0xde);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            out.push(0xdf);
+            out.extend_from_slice(&(len as u32).to_be_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_every_integer_width() {
+        let cases: &[(&[u8], Item<'_>)] = &[
+            (&[0x05], Item::UInt(5)),
+            (&[0xcc, 0xff], Item::UInt(255)),
+            (&[0xcd, 0x01, 0x00], Item::UInt(256)),
+            (
+                &[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+                Item::UInt(u64::MAX),
+            ),
+            (&[0xff], Item::NegInt(-1)),
+            (&[0xd0, 0x05], Item::UInt(5)),
+            (&[0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0], Item::NegInt(i64::MIN)),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(Reader::new(bytes).item().unwrap(), *want, "{bytes:02x?}");
+        }
+    }
+
+    #[test]
+    fn refuses_lengths_past_the_input() {
+        assert_eq!(
+            Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff]).item(),
+            Err(ReadError::Truncated)
+        );
+        assert_eq!(Reader::new(&[0xa3, b'a']).item(), Err(ReadError::Truncated));
+        assert_eq!(Reader::new(&[0xa1, 0xff]).item(), Err(ReadError::Utf8));
+        assert_eq!(Reader::new(&[0xc1]).item(), Err(ReadError::BadMarker(0xc1)));
+    }
+
+    #[test]
+    fn skip_bounds_depth_without_recursion() {
+        let mut deep = vec![0x91u8; 100_000];
+        deep.push(0xc0);
+        assert_eq!(Reader::new(&deep).skip(0), Err(ReadError::TooDeep));
+        let mut too_deep = vec![0x91u8; MAX_DEPTH + 1];
+        too_deep.push(0x90);
+        assert_eq!(Reader::new(&too_deep).skip(0), Err(ReadError::TooDeep));
+        let mut ok = vec![0x91u8; MAX_DEPTH - 1];
+        ok.push(0x90);
+        let mut reader = Reader::new(&ok);
+        reader.skip(0).unwrap();
+        assert!(reader.is_empty());
+    }
+
+    #[test]
+    fn writers_pick_the_smallest_form() {
+        let mut out = Vec::new();
+        write::uint(&mut out, 127);
+        write::uint(&mut out, 128);
+        write::uint(&mut out, 70_000);
+        assert_eq!(out, [0x7f, 0xcc, 0x80, 0xce, 0x00, 0x01, 0x11, 0x70]);
+    }
+}

@@ -1,0 +1,797 @@
+//! The stateful translation of one worker's stream into canonical, tiered Dynamo events.
+//!
+//! Every engine hash is rewritten to Dynamo's rolling sequence hash of the block's content,
+//! residency is reference-counted per (dp rank, tier, block), CPU placeholders are resolved
+//! through the engine hashes seen before, and whatever is not forwarded is counted by reason.
+
+use std::sync::Arc;
+
+use crate::decode::{decode, Arena, Batch, Event, Removed, SchemaError, Stored};
+use crate::hashing::{block_seed, identifier_hash, sequence_hash, tokens_hash, DYNAMO_SALT_PREFIX};
+use crate::media::{tier_for_medium, Tier};
+use crate::msgpack::{Item, Reader};
+use crate::output::{Body, OutEvent, Output};
+use crate::state::{map, Map, Rank};
+
+/// Why a block (or a clear) was not forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    UnknownMedium = 0,
+    RemoteLocality,
+    UnknownLocality,
+    NonMainGroup,
+    BlockSizeMismatch,
+    OrphanParent,
+    UnresolvedPlaceholder,
+    DuplicateStore,
+    StillReferenced,
+    UnknownBlock,
+    ClearedEarlier,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 11] = [
+        DropReason::UnknownMedium,
+        DropReason::RemoteLocality,
+        DropReason::UnknownLocality,
+        DropReason::NonMainGroup,
+        DropReason::BlockSizeMismatch,
+        DropReason::OrphanParent,
+        DropReason::UnresolvedPlaceholder,
+        DropReason::DuplicateStore,
+        DropReason::StillReferenced,
+        DropReason::UnknownBlock,
+        DropReason::ClearedEarlier,
+    ];
+
+    /// The reason's name in `kvbridge.DropReason` and the metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            DropReason::UnknownMedium => "unknown_medium",
+            DropReason::RemoteLocality => "remote_locality",
+            DropReason::UnknownLocality => "unknown_locality",
+            DropReason::NonMainGroup => "non_main_group",
+            DropReason::BlockSizeMismatch => "block_size_mismatch",
+            DropReason::OrphanParent => "orphan_parent",
+            DropReason::UnresolvedPlaceholder => "unresolved_placeholder",
+            DropReason::DuplicateStore => "duplicate_store",
+            DropReason::StillReferenced => "still_referenced",
+            DropReason::UnknownBlock => "unknown_block",
+            DropReason::ClearedEarlier => "cleared_earlier",
+        }
+    }
+}
+
+/// What an event did: the first index of the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Stored = 0,
+    Removed = 1,
+    Cleared = 2,
+}
+
+impl Action {
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Stored => "stored",
+            Action::Removed => "removed",
+            Action::Cleared => "cleared",
+        }
+    }
+}
+
+/// Blocks forwarded and not forwarded. A drop's tier index 4 means the tier is unknown.
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    /// By action and tier; a clear counts once per tier.
+    pub forwarded: [[u64; 4]; 3],
+    /// By action (stored, removed), tier (or 4: unknown) and reason.
+    pub dropped: [[[u64; 11]; 5]; 2],
+    pub unknown_fields: u64,
+}
+
+/// A reason dropped for the first time, for the one log line it deserves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FirstDrop {
+    pub reason: DropReason,
+    pub action: Action,
+    pub tier: Option<Tier>,
+    pub medium: Option<String>,
+}
+
+/// The LoRA name and cache salt blocks are hashed with, interned.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Context {
+    pub lora_name: Option<Arc<str>>,
+    pub cache_salt: Option<Arc<str>>,
+}
+
+/// One worker's normalizer.
+#[derive(Debug)]
+pub struct Normalizer {
+    pub worker_id: u64,
+    pub block_size: usize,
+    pub retain_evicted: usize,
+    main_kinds: Vec<Box<str>>,
+    ranks: Map<u32, Rank>,
+    /// The ranks in the order they were first seen, as a reset of every rank visits them.
+    rank_order: Vec<u32>,
+    contexts: Vec<(Context, u64)>,
+    context_ids: Map<Context, u32>,
+    next_event_id: u64,
+    arena: Arena,
+    pub counters: Counters,
+    logged: u16,
+    pub first_drops: Vec<FirstDrop>,
+}
+
+/// The KV-cache group kinds a prefix index can use; Dynamo indexes exactly these.
+pub const MAIN_ATTENTION_KINDS: [&str; 3] =
+    ["full_attention", "mla_attention", "sink_full_attention"];
+
+impl Normalizer {
+    pub fn new(
+        worker_id: u64,
+        block_size: usize,
+        retain_evicted: usize,
+        main_kinds: &[&str],
+    ) -> Self {
+        let mut normalizer = Normalizer {
+            worker_id,
+            block_size,
+            retain_evicted,
+            main_kinds: main_kinds.iter().map(|kind| Box::from(*kind)).collect(),
+            ranks: map(),
+            rank_order: Vec::new(),
+            contexts: Vec::new(),
+            context_ids: map(),
+            next_event_id: 0,
+            arena: Arena::default(),
+            counters: Counters::default(),
+            logged: 0,
+            first_drops: Vec::new(),
+        };
+        normalizer.context(None, None);
+        normalizer
+    }
+
+    /// The canonical events of one payload. A payload that does not decode changes nothing.
+    /// `seq` becomes the events' id; without it an internal counter is used.
+    pub fn normalize(&mut self, payload: &[u8], seq: Option<u64>) -> Result<Output, SchemaError> {
+        let mut arena = std::mem::take(&mut self.arena);
+        let result = decode(payload, &mut arena).map(|batch| self.apply(&batch, &arena, seq));
+        self.arena = arena;
+        result
+    }
+
+    /// Forgets a rank's state (or every rank's) and returns the clears that undo it downstream.
+    /// A named rank is cleared even if it was never seen: a consumer may hold its blocks.
+    pub fn reset(&mut self, dp_rank: Option<u32>) -> Output {
+        let ranks = match dp_rank {
+            Some(rank) => vec![rank],
+            None => self.rank_order.clone(),
+        };
+        let event_id = self.next_id();
+        let mut out = Output::default();
+        for rank_id in ranks {
+            let mut rank = match self.ranks.remove(&rank_id) {
+                Some(rank) => {
+                    self.rank_order.retain(|known| *known != rank_id);
+                    rank
+                }
+                None => Rank::new(self.block_size),
+            };
+            self.clear(&mut rank, rank_id, event_id, &mut out);
+        }
+        out
+    }
+
+    /// The ranks seen, sorted.
+    pub fn dp_ranks(&self) -> Vec<u32> {
+        let mut ranks = self.rank_order.clone();
+        ranks.sort_unstable();
+        ranks
+    }
+
+    /// How many distinct blocks are resident on one tier of one rank.
+    pub fn resident_blocks(&self, dp_rank: u32, tier: Tier) -> usize {
+        self.ranks
+            .get(&dp_rank)
+            .map_or(0, |rank| rank.resident(tier))
+    }
+
+    /// Engine hashes tracked (live and retired), over every rank.
+    pub fn tracked_blocks(&self) -> (usize, usize) {
+        self.ranks.values().fold((0, 0), |(live, retired), rank| {
+            (live + rank.live_count(), retired + rank.retired_count())
+        })
+    }
+
+    /// Bytes the state holds on the heap.
+    pub fn heap_bytes(&self) -> usize {
+        self.ranks.values().map(Rank::heap_bytes).sum::<usize>()
+            + self.arena.hashes.capacity() * 8
+            + self.arena.tokens.capacity() * 4
+    }
+
+    pub fn context_of(&self, id: u32) -> &Context {
+        &self.contexts[id as usize].0
+    }
+
+    fn next_id(&mut self) -> u64 {
+        let id = self.next_event_id;
+        self.next_event_id += 1;
+        id
+    }
+
+    fn context(&mut self, lora_name: Option<&str>, cache_salt: Option<&str>) -> u32 {
+        let key = Context {
+            lora_name: lora_name.map(Arc::from),
+            cache_salt: cache_salt.map(Arc::from),
+        };
+        if let Some(id) = self.context_ids.get(&key) {
+            return *id;
+        }
+        let id = self.contexts.len() as u32;
+        self.contexts
+            .push((key.clone(), block_seed(lora_name, cache_salt)));
+        self.context_ids.insert(key, id);
+        id
+    }
+
+    fn apply(&mut self, batch: &Batch<'_>, arena: &Arena, seq: Option<u64>) -> Output {
+        let event_id = match seq {
+            Some(seq) => seq,
+            None => self.next_id(),
+        };
+        let dp_rank = batch.dp_rank.unwrap_or(0);
+        let mut rank = match self.ranks.remove(&dp_rank) {
+            Some(rank) => rank,
+            None => {
+                self.rank_order.push(dp_rank);
+                Rank::new(self.block_size)
+            }
+        };
+        self.counters.unknown_fields += batch.unknown_fields;
+        let mut out = Output::default();
+        let mut gone: Vec<u64> = Vec::new();
+        let mut gone_tier: Option<Tier> = None;
+        for event in &batch.events {
+            match event {
+                Event::Removed(removed) => {
+                    let Some(tier) = self.admit_removal(&rank, removed, arena) else {
+                        continue;
+                    };
+                    if gone_tier != Some(tier) && !gone.is_empty() {
+                        self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, &mut out);
+                    }
+                    gone_tier = Some(tier);
+                    self.removed(
+                        &mut rank,
+                        tier,
+                        removed.medium,
+                        &arena.hashes[removed.hashes.clone()],
+                        &mut gone,
+                    );
+                }
+                other => {
+                    if !gone.is_empty() {
+                        self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, &mut out);
+                    }
+                    match other {
+                        Event::Stored(stored) => {
+                            self.stored(&mut rank, dp_rank, event_id, stored, arena, &mut out)
+                        }
+                        _ => self.clear(&mut rank, dp_rank, event_id, &mut out),
+                    }
+                }
+            }
+        }
+        if !gone.is_empty() {
+            self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, &mut out);
+        }
+        self.ranks.insert(dp_rank, rank);
+        out
+    }
+
+    // -- admission ------------------------------------------------------------------------
+
+    fn drop_blocks(
+        &mut self,
+        action: Action,
+        tier: Option<Tier>,
+        reason: DropReason,
+        count: u64,
+        medium: Option<&str>,
+    ) {
+        let tier_index = tier.map_or(4, |tier| tier as usize);
+        self.counters.dropped[action as usize][tier_index][reason as usize] += count;
+        let bit = 1 << reason as u16;
+        if self.logged & bit == 0 {
+            self.logged |= bit;
+            self.first_drops.push(FirstDrop {
+                reason,
+                action,
+                tier,
+                medium: medium.map(str::to_string),
+            });
+        }
+    }
+
+    fn count_drop(&mut self, action: Action, tier: Tier, reason: DropReason, count: u64) {
+        self.counters.dropped[action as usize][tier as usize][reason as usize] += count;
+    }
+
+    fn admit_removal(
+        &mut self,
+        rank: &Rank,
+        removed: &Removed<'_>,
+        _arena: &Arena,
+    ) -> Option<Tier> {
+        let blocks = removed.hashes.len() as u64;
+        let verdict = self.judge(
+            rank,
+            removed.medium,
+            removed.locality,
+            removed.group_idx,
+            None,
+        );
+        self.admitted(Action::Removed, blocks, removed.medium, verdict)
+    }
+
+    fn admitted(
+        &mut self,
+        action: Action,
+        blocks: u64,
+        medium: Option<&str>,
+        verdict: (Option<Tier>, Option<DropReason>),
+    ) -> Option<Tier> {
+        match verdict {
+            (tier, Some(reason)) => {
+                self.drop_blocks(action, tier, reason, blocks, medium);
+                None
+            }
+            (tier, None) => tier,
+        }
+    }
+
+    /// The tier of an event, or the reason it is not indexed.
+    fn judge(
+        &self,
+        rank: &Rank,
+        medium: Option<&str>,
+        locality: Option<&str>,
+        group: Option<u32>,
+        spec: Option<&str>,
+    ) -> (Option<Tier>, Option<DropReason>) {
+        let Some(tier) = tier_for_medium(medium) else {
+            return (None, Some(DropReason::UnknownMedium));
+        };
+        if let Some(locality) = locality {
+            let upper = locality.to_uppercase();
+            if upper != "LOCAL" {
+                let reason = if upper == "REMOTE" {
+                    DropReason::RemoteLocality
+                } else {
+                    DropReason::UnknownLocality
+                };
+                return (Some(tier), Some(reason));
+            }
+        }
+        let spec = match (spec, group) {
+            (Some(spec), _) => Some(spec),
+            (None, Some(group)) => rank.group_kinds.get(&group).map(|kind| &**kind),
+            (None, None) => None,
+        };
+        let main = match spec {
+            Some(spec) => self.main_kinds.iter().any(|kind| &**kind == spec),
+            None => matches!(group, None | Some(0)),
+        };
+        (Some(tier), (!main).then_some(DropReason::NonMainGroup))
+    }
+
+    // -- stores -----------------------------------------------------------------------------
+
+    fn stored(
+        &mut self,
+        rank: &mut Rank,
+        dp_rank: u32,
+        event_id: u64,
+        stored: &Stored<'_>,
+        arena: &Arena,
+        out: &mut Output,
+    ) {
+        let blocks = stored.hashes.len() as u64;
+        if let (Some(spec), Some(group)) = (stored.spec_kind, stored.group_idx) {
+            if rank.group_kinds.get(&group).map(|kind| &**kind) != Some(spec) {
+                rank.group_kinds.insert(group, Box::from(spec));
+            }
+        }
+        let verdict = self.judge(
+            rank,
+            stored.medium,
+            stored.locality,
+            stored.group_idx,
+            stored.spec_kind,
+        );
+        let Some(tier) = self.admitted(Action::Stored, blocks, stored.medium, verdict) else {
+            return;
+        };
+        let hashes = &arena.hashes[stored.hashes.clone()];
+        if stored.tokens.is_empty() {
+            let mut slots = Vec::with_capacity(hashes.len());
+            for &key in hashes {
+                match rank.revive(key) {
+                    Some(slot) => slots.push(slot),
+                    None => self.drop_blocks(
+                        Action::Stored,
+                        Some(tier),
+                        DropReason::UnresolvedPlaceholder,
+                        1,
+                        stored.medium,
+                    ),
+                }
+            }
+            self.make_resident(rank, dp_rank, event_id, tier, &slots, None, out);
+            return;
+        }
+        if stored.block_size != self.block_size as u64 {
+            self.drop_blocks(
+                Action::Stored,
+                Some(tier),
+                DropReason::BlockSizeMismatch,
+                blocks,
+                stored.medium,
+            );
+            return;
+        }
+        let tokens = &arena.tokens[stored.tokens.clone()];
+        match self.canonical_blocks(rank, stored, hashes, tokens) {
+            Some(slots) => {
+                self.make_resident(rank, dp_rank, event_id, tier, &slots, Some(tokens), out)
+            }
+            None => self.drop_blocks(
+                Action::Stored,
+                Some(tier),
+                DropReason::OrphanParent,
+                blocks,
+                stored.medium,
+            ),
+        }
+    }
+
+    /// Hashes the event's new blocks canonically and remembers them by engine hash. A block
+    /// whose engine hash is known keeps its canonical identity: an offload tier's copy carries
+    /// no extra keys (no salt, no multimodal hashes), so hashing it again would mis-hash it.
+    fn canonical_blocks(
+        &mut self,
+        rank: &mut Rank,
+        stored: &Stored<'_>,
+        hashes: &[u64],
+        tokens: &[u32],
+    ) -> Option<Vec<u32>> {
+        let mut lora: Option<Arc<str>> = stored
+            .lora_name
+            .filter(|name| !name.is_empty())
+            .map(Arc::from);
+        let salt: Option<Arc<str>>;
+        let mut parent: Option<u64>;
+        match stored.parent {
+            None => {
+                parent = None;
+                salt = cache_salt(stored).map(Arc::from);
+            }
+            Some(engine) => {
+                let block = rank.block(rank.lookup(engine)?);
+                let context = self.context_of(block.context).clone();
+                parent = Some(block.canonical);
+                salt = context.cache_salt;
+                if lora.is_none() {
+                    lora = context.lora_name;
+                }
+            }
+        }
+        let mut context = self.context(lora.as_deref(), salt.as_deref());
+        let mut seed = self.contexts[context as usize].1;
+        let extra = stored.extra_keys.map(block_keys).unwrap_or_default();
+        let size = self.block_size;
+        let mut scratch = Vec::with_capacity(size * 4 + 64);
+        let mut mm = Vec::new();
+        let mut slots = Vec::with_capacity(hashes.len());
+        for (index, &key) in hashes.iter().enumerate() {
+            let slot = match rank.revive(key) {
+                Some(slot) => {
+                    let block = rank.block(slot);
+                    if block.context != context {
+                        context = block.context;
+                        seed = self.contexts[context as usize].1;
+                    }
+                    slot
+                }
+                None => {
+                    let block_tokens = &tokens[index * size..(index + 1) * size];
+                    mm.clear();
+                    if let Some(Some(keys)) = extra.get(index) {
+                        mm_hashes(keys, &mut mm);
+                    }
+                    let content = tokens_hash(block_tokens, seed, &mut mm, &mut scratch);
+                    let canonical = sequence_hash(parent, content);
+                    rank.insert(key, canonical, content, parent, context, block_tokens)
+                }
+            };
+            parent = Some(rank.block(slot).canonical);
+            slots.push(slot);
+        }
+        Some(slots)
+    }
+
+    /// Counts one more reference on `tier` for each block, and forwards those that just became
+    /// resident as runs of chained blocks. `tokens` are the event's own tokens, or `None` to
+    /// take them from the blocks.
+    #[allow(clippy::too_many_arguments)]
+    fn make_resident(
+        &mut self,
+        rank: &mut Rank,
+        dp_rank: u32,
+        event_id: u64,
+        tier: Tier,
+        slots: &[u32],
+        mut tokens: Option<&[u32]>,
+        out: &mut Output,
+    ) {
+        let mut start = 0;
+        let mut run: Vec<u32> = Vec::new();
+        let mut last: Option<u64> = None;
+        let mut duplicates = 0;
+        for (index, &slot) in slots.iter().enumerate() {
+            let block = rank.block(slot);
+            let (canonical, parent) = (block.canonical, block.parent);
+            let count = rank.refs[tier as usize].entry(canonical).or_insert(0);
+            *count += 1;
+            if *count > 1 {
+                duplicates += 1;
+                continue;
+            }
+            if !run.is_empty() && last != parent {
+                self.store_event(rank, dp_rank, event_id, tier, &run, tokens, start, out);
+                run.clear();
+            }
+            if run.is_empty() {
+                start = index;
+            } else if index != start + run.len() {
+                tokens = None; // a duplicate skipped inside the chain: not one token slice
+            }
+            run.push(slot);
+            last = Some(canonical);
+        }
+        if !run.is_empty() {
+            self.store_event(rank, dp_rank, event_id, tier, &run, tokens, start, out);
+        }
+        if duplicates > 0 {
+            self.count_drop(Action::Stored, tier, DropReason::DuplicateStore, duplicates);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_event(
+        &mut self,
+        rank: &Rank,
+        dp_rank: u32,
+        event_id: u64,
+        tier: Tier,
+        run: &[u32],
+        tokens: Option<&[u32]>,
+        start: usize,
+        out: &mut Output,
+    ) {
+        self.counters.forwarded[Action::Stored as usize][tier as usize] += run.len() as u64;
+        let first = rank.block(run[0]);
+        let blocks_start = out.blocks.len();
+        out.blocks.extend(run.iter().map(|&slot| {
+            let block = rank.block(slot);
+            (block.canonical, block.tokens_hash)
+        }));
+        let tokens_start = out.tokens.len();
+        match tokens {
+            Some(tokens) => {
+                let size = self.block_size;
+                out.tokens
+                    .extend_from_slice(&tokens[start * size..(start + run.len()) * size]);
+            }
+            None => {
+                for &slot in run {
+                    out.tokens.extend_from_slice(rank.tokens(slot));
+                }
+            }
+        }
+        let context = self.context_of(first.context).clone();
+        out.events.push(OutEvent {
+            dp_rank,
+            tier,
+            event_id,
+            body: Body::Stored {
+                parent: first.parent,
+                blocks: blocks_start..out.blocks.len(),
+                tokens: tokens_start..out.tokens.len(),
+                lora_name: context.lora_name,
+                cache_salt: context.cache_salt,
+            },
+        });
+    }
+
+    // -- removals and clears ----------------------------------------------------------------
+
+    /// Counts one reference less on `tier` for each block; collects in `gone` those whose last
+    /// reference went.
+    fn removed(
+        &mut self,
+        rank: &mut Rank,
+        tier: Tier,
+        medium: Option<&str>,
+        hashes: &[u64],
+        gone: &mut Vec<u64>,
+    ) {
+        let elsewhere: Vec<usize> = Tier::ALL
+            .iter()
+            .map(|other| *other as usize)
+            .filter(|&other| other != tier as usize && !rank.refs[other].is_empty())
+            .collect();
+        let mut evicted = Vec::new();
+        for &key in hashes {
+            let slot = rank.live(key);
+            let canonical = slot.map(|slot| rank.block(slot).canonical);
+            let count = canonical
+                .and_then(|canonical| rank.refs[tier as usize].get(&canonical).copied())
+                .unwrap_or(0);
+            if count == 1 {
+                let canonical = canonical.expect("a counted block");
+                rank.refs[tier as usize].remove(&canonical);
+                gone.push(canonical);
+                if !elsewhere
+                    .iter()
+                    .any(|&other| rank.refs[other].contains_key(&canonical))
+                {
+                    evicted.push(slot.expect("a counted block"));
+                }
+            } else if count > 1 {
+                let canonical = canonical.expect("a counted block");
+                rank.refs[tier as usize].insert(canonical, count - 1);
+                self.count_drop(Action::Removed, tier, DropReason::StillReferenced, 1);
+            } else if rank.cleared.remove(&key) {
+                self.count_drop(Action::Removed, tier, DropReason::ClearedEarlier, 1);
+            } else {
+                self.drop_blocks(
+                    Action::Removed,
+                    Some(tier),
+                    DropReason::UnknownBlock,
+                    1,
+                    medium,
+                );
+            }
+        }
+        rank.retire(&evicted, self.retain_evicted);
+    }
+
+    fn flush_removal(
+        &mut self,
+        dp_rank: u32,
+        event_id: u64,
+        tier: Option<Tier>,
+        gone: &mut Vec<u64>,
+        out: &mut Output,
+    ) {
+        let tier = tier.expect("removals have a tier");
+        self.counters.forwarded[Action::Removed as usize][tier as usize] += gone.len() as u64;
+        let start = out.hashes.len();
+        out.hashes.append(gone);
+        out.events.push(OutEvent {
+            dp_rank,
+            tier,
+            event_id,
+            body: Body::Removed {
+                hashes: start..out.hashes.len(),
+            },
+        });
+    }
+
+    fn clear(&mut self, rank: &mut Rank, dp_rank: u32, event_id: u64, out: &mut Output) {
+        let live = rank.live_slots();
+        if rank.cleared.len() + live.len() > self.retain_evicted {
+            rank.cleared.clear();
+        }
+        for &slot in &live {
+            rank.cleared.insert(rank.block(slot).engine);
+        }
+        rank.retire(&live, self.retain_evicted);
+        for refs in rank.refs.iter_mut() {
+            refs.clear();
+        }
+        for tier in Tier::ALL {
+            self.counters.forwarded[Action::Cleared as usize][tier as usize] += 1;
+            out.events.push(OutEvent {
+                dp_rank,
+                tier,
+                event_id,
+                body: Body::Cleared,
+            });
+        }
+    }
+}
+
+/// Each block's extra keys, as msgpack, from the event's `extra_keys` list (`None` for nil).
+fn block_keys(raw: &[u8]) -> Vec<Option<&[u8]>> {
+    items(raw)
+        .into_iter()
+        .map(|keys| (keys != [0xc0]).then_some(keys))
+        .collect()
+}
+
+/// A 64-hex-digit multimodal digest: vLLM up to 0.18 puts it bare into the extra keys.
+fn is_digest(key: &str) -> bool {
+    key.len() == 64 && key.bytes().all(|byte| byte.is_ascii_hexdigit())
+}
+
+fn digest_hash(key: &str) -> u64 {
+    u64::from_str_radix(&key[..16], 16).unwrap_or(0)
+}
+
+/// The multimodal object hashes among one block's extra keys, as Dynamo derives them: a hex
+/// digest by its first 16 hex digits, any other identifier by its XXH3-64. A key is an
+/// `(identifier, offset)` pair from vLLM 0.19, a bare digest before.
+fn mm_hashes(keys: &[u8], out: &mut Vec<u64>) {
+    for key in items(keys) {
+        let mut reader = Reader::new(key);
+        match reader.item() {
+            Ok(Item::Str(key)) if is_digest(key) => out.push(digest_hash(key)),
+            Ok(Item::Array(len)) if len > 0 => {
+                if let Ok(Item::Str(id)) = reader.item() {
+                    out.push(if is_digest(id) {
+                        digest_hash(id)
+                    } else {
+                        identifier_hash(id)
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The msgpack of each item of a msgpack array (checked by the decoder); none for other values.
+fn items(raw: &[u8]) -> Vec<&[u8]> {
+    let mut reader = Reader::new(raw);
+    let Ok(Item::Array(len)) = reader.item() else {
+        return Vec::new();
+    };
+    let mut out = Vec::with_capacity(len);
+    for _ in 0..len {
+        match reader.raw(2) {
+            Ok(item) => out.push(item),
+            Err(_) => break,
+        }
+    }
+    out
+}
+
+/// The cache salt in the first block's extra keys: the first string that is neither a digest
+/// nor the LoRA name. Dynamo's own `dynamo-cache-salt:` prefix is removed.
+fn cache_salt<'a>(stored: &Stored<'a>) -> Option<&'a str> {
+    let keys = block_keys(stored.extra_keys?);
+    let first = (*keys.first()?)?;
+    let mut lora_seen = stored.lora_name.is_none();
+    for key in items(first) {
+        let Ok(Item::Str(key)) = Reader::new(key).item() else {
+            continue;
+        };
+        if is_digest(key) {
+            continue;
+        }
+        if !lora_seen && Some(key) == stored.lora_name {
+            lora_seen = true;
+            continue;
+        }
+        let salt = key.strip_prefix(DYNAMO_SALT_PREFIX).unwrap_or(key);
+        return (!salt.is_empty()).then_some(salt);
+    }
+    None
+}

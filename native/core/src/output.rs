@@ -1,0 +1,255 @@
+//! The events a batch normalizes to, and the bytes they go out as: the relay's canonical vLLM
+//! payloads and the msgpack of `kvbridge.TieredEvent`s.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::hashing::DYNAMO_SALT_PREFIX;
+use crate::layout::{CLEARED, REMOVED, REMOVED_FIELDS, STORED, STORED_FIELDS};
+use crate::media::Tier;
+use crate::msgpack::write;
+
+/// What a canonical event says.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Body {
+    /// A chain of blocks that just became resident; lists are ranges of the [`Output`].
+    Stored {
+        parent: Option<u64>,
+        /// (canonical block hash, tokens hash) per block.
+        blocks: Range<usize>,
+        tokens: Range<usize>,
+        lora_name: Option<Arc<str>>,
+        cache_salt: Option<Arc<str>>,
+    },
+    /// Canonical hashes whose last copy on the tier went.
+    Removed { hashes: Range<usize> },
+    /// Everything of the rank on the tier went.
+    Cleared,
+}
+
+/// One Dynamo event for one (dp rank, tier).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutEvent {
+    pub dp_rank: u32,
+    pub tier: Tier,
+    pub event_id: u64,
+    pub body: Body,
+}
+
+/// The canonical events of one batch or reset, with their lists in flat arrays.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Output {
+    pub events: Vec<OutEvent>,
+    pub blocks: Vec<(u64, u64)>,
+    pub tokens: Vec<u32>,
+    pub hashes: Vec<u64>,
+}
+
+/// The number of entries msgspec sizes a map header by: the struct's fields plus its tag.
+const STORED_MAP_FIELDS: usize = STORED_FIELDS.len() - 1 + 1; // the 0.30-0.32 layout: 14 fields
+const REMOVED_MAP_FIELDS: usize = REMOVED_FIELDS.len() + 1;
+
+impl Output {
+    /// The payloads that republish these events, one batch per run of one dp rank, in vLLM
+    /// 0.32's layout as Dynamo decodes it: an array batch of tagged-map events, canonical
+    /// hashes, a medium Dynamo knows, tokens on every store, and the cache salt tagged the way
+    /// Dynamo reads it. The clears of a rank's tiers collapse into one medium-less clear.
+    pub fn canonical_payloads(&self, block_size: u64, worker_ts: f64) -> Vec<Vec<u8>> {
+        let mut payloads = Vec::new();
+        let mut start = 0;
+        while start < self.events.len() {
+            let rank = self.events[start].dp_rank;
+            let end = self.events[start..]
+                .iter()
+                .position(|event| event.dp_rank != rank)
+                .map_or(self.events.len(), |offset| start + offset);
+            payloads.push(self.canonical_batch(&self.events[start..end], block_size, worker_ts));
+            start = end;
+        }
+        payloads
+    }
+
+    fn canonical_batch(&self, events: &[OutEvent], block_size: u64, ts: f64) -> Vec<u8> {
+        let mut kept: Vec<&OutEvent> = Vec::with_capacity(events.len());
+        for event in events {
+            let repeat = matches!(event.body, Body::Cleared)
+                && kept
+                    .last()
+                    .is_some_and(|last| matches!(last.body, Body::Cleared));
+            if !repeat {
+                kept.push(event);
+            }
+        }
+        let mut out = Vec::with_capacity(64 + self.tokens.len() * 3 + self.blocks.len() * 9);
+        write::array(&mut out, 3);
+        write::float(&mut out, ts);
+        write::array(&mut out, kept.len());
+        for event in &kept {
+            self.write_canonical_event(&mut out, event, block_size);
+        }
+        write::uint(&mut out, u64::from(events[0].dp_rank));
+        out
+    }
+
+    fn write_canonical_event(&self, out: &mut Vec<u8>, event: &OutEvent, block_size: u64) {
+        match &event.body {
+            Body::Stored {
+                parent,
+                blocks,
+                tokens,
+                lora_name,
+                cache_salt,
+            } => {
+                let salt = cache_salt.as_deref().filter(|salt| !salt.is_empty());
+                write::map(out, if salt.is_some() { 11 } else { 10 }, STORED_MAP_FIELDS);
+                write::str(out, "type");
+                write::str(out, STORED);
+                write::str(out, "block_hashes");
+                write::array(out, blocks.len());
+                for (hash, _) in &self.blocks[blocks.clone()] {
+                    write::uint(out, *hash);
+                }
+                write::str(out, "parent_block_hash");
+                match parent {
+                    Some(parent) => write::uint(out, *parent),
+                    None => write::nil(out),
+                }
+                write::str(out, "token_ids");
+                write::array(out, tokens.len());
+                for token in &self.tokens[tokens.clone()] {
+                    write::uint(out, u64::from(*token));
+                }
+                write::str(out, "block_size");
+                write::uint(out, block_size);
+                write::str(out, "lora_id");
+                write::nil(out);
+                write::str(out, "medium");
+                write::str(out, event.tier.medium());
+                write::str(out, "lora_name");
+                match lora_name {
+                    Some(name) => write::str(out, name),
+                    None => write::nil(out),
+                }
+                if let Some(salt) = salt {
+                    // Dynamo reads each event's salt from its first block's extra keys.
+                    write::str(out, "extra_keys");
+                    write::array(out, blocks.len());
+                    write::array(out, 1);
+                    write::str(out, &format!("{DYNAMO_SALT_PREFIX}{salt}"));
+                    for _ in 1..blocks.len() {
+                        write::nil(out);
+                    }
+                }
+                write::str(out, "group_idx");
+                write::uint(out, 0);
+                write::str(out, "kv_cache_spec_kind");
+                write::str(out, "full_attention");
+            }
+            Body::Removed { hashes } => {
+                write::map(out, 4, REMOVED_MAP_FIELDS);
+                write::str(out, "type");
+                write::str(out, REMOVED);
+                write::str(out, "block_hashes");
+                write::array(out, hashes.len());
+                for hash in &self.hashes[hashes.clone()] {
+                    write::uint(out, *hash);
+                }
+                write::str(out, "medium");
+                write::str(out, event.tier.medium());
+                write::str(out, "group_idx");
+                write::uint(out, 0);
+            }
+            Body::Cleared => {
+                write::map(out, 1, 1);
+                write::str(out, "type");
+                write::str(out, CLEARED);
+            }
+        }
+    }
+
+    /// The events as msgpack of `list[kvbridge.TieredEvent]`, for msgspec to build in one pass.
+    pub fn tiered_events(&self, worker_id: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.events.len() * 96 + self.tokens.len() * 3);
+        write::array(&mut out, self.events.len());
+        for event in &self.events {
+            let stored = matches!(event.body, Body::Stored { .. });
+            write::map(&mut out, if stored { 7 } else { 4 }, 7);
+            write::str(&mut out, "worker_id");
+            write::uint(&mut out, worker_id);
+            write::str(&mut out, "dp_rank");
+            write::uint(&mut out, u64::from(event.dp_rank));
+            write::str(&mut out, "tier");
+            write::str(&mut out, event.tier.name());
+            write::str(&mut out, "event");
+            write::map(&mut out, 3, 3);
+            write::str(&mut out, "event_id");
+            write::uint(&mut out, event.event_id);
+            write::str(&mut out, "data");
+            match &event.body {
+                Body::Stored {
+                    parent,
+                    blocks,
+                    tokens,
+                    lora_name,
+                    cache_salt,
+                } => {
+                    write::map(&mut out, 1, 2);
+                    write::str(&mut out, "stored");
+                    write::map(&mut out, 2, 3);
+                    write::str(&mut out, "parent_hash");
+                    match parent {
+                        Some(parent) => write::uint(&mut out, *parent),
+                        None => write::nil(&mut out),
+                    }
+                    write::str(&mut out, "blocks");
+                    write::array(&mut out, blocks.len());
+                    for (hash, tokens_hash) in &self.blocks[blocks.clone()] {
+                        write::map(&mut out, 2, 3);
+                        write::str(&mut out, "block_hash");
+                        write::uint(&mut out, *hash);
+                        write::str(&mut out, "tokens_hash");
+                        write::uint(&mut out, *tokens_hash);
+                    }
+                    write_event_tail(&mut out, event.dp_rank);
+                    write::str(&mut out, "token_ids");
+                    write::array(&mut out, tokens.len());
+                    for token in &self.tokens[tokens.clone()] {
+                        write::uint(&mut out, u64::from(*token));
+                    }
+                    write::str(&mut out, "lora_name");
+                    write_opt_str(&mut out, lora_name.as_deref());
+                    write::str(&mut out, "cache_salt");
+                    write_opt_str(&mut out, cache_salt.as_deref());
+                }
+                Body::Removed { hashes } => {
+                    write::map(&mut out, 1, 2);
+                    write::str(&mut out, "removed");
+                    write::map(&mut out, 1, 1);
+                    write::str(&mut out, "block_hashes");
+                    write::array(&mut out, hashes.len());
+                    for hash in &self.hashes[hashes.clone()] {
+                        write::uint(&mut out, *hash);
+                    }
+                    write_event_tail(&mut out, event.dp_rank);
+                }
+                Body::Cleared => {
+                    write::str(&mut out, "cleared");
+                    write_event_tail(&mut out, event.dp_rank);
+                }
+            }
+        }
+        out
+    }
+}
+
+fn write_event_tail(out: &mut Vec<u8>, dp_rank: u32) {
+    write::str(out, "dp_rank");
+    write::uint(out, u64::from(dp_rank));
+}
+
+fn write_opt_str(out: &mut Vec<u8>, value: Option<&str>) {
+    match value {
+        Some(value) => write::str(out, value),
+        None => write::nil(out),
+    }
+}

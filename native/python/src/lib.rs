@@ -1,0 +1,281 @@
+//! `kvbridge._core`: the Python face of `kvbridge-core`.
+//!
+//! A batch crosses as bytes in both directions: the payload in, and out either the relay's
+//! canonical payloads or the msgpack of `TieredEvent`s that msgspec builds in one pass. The GIL
+//! is released while the core works, and no Python object is made per event, block or token.
+
+use kvbridge_core::decode::{Arena, Event};
+use kvbridge_core::layout;
+use kvbridge_core::msgpack::MAX_DEPTH;
+use kvbridge_core::{decode, Action, DropReason, Normalizer, Output, SchemaError, Tier};
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+create_exception!(
+    _core,
+    PayloadError,
+    PyValueError,
+    "A payload the core cannot decode; args are (message, event_index, field)."
+);
+
+fn payload_error(error: SchemaError) -> PyErr {
+    PayloadError::new_err((error.message, error.event_index, error.field))
+}
+
+fn tier_of(index: usize) -> PyResult<Tier> {
+    Tier::ALL
+        .get(index)
+        .copied()
+        .ok_or_else(|| PyValueError::new_err(format!("no tier {index}")))
+}
+
+/// One worker's normalizer state.
+#[pyclass(module = "kvbridge._core", name = "Normalizer")]
+struct PyNormalizer {
+    inner: Normalizer,
+}
+
+#[pymethods]
+impl PyNormalizer {
+    #[new]
+    #[pyo3(signature = (worker_id, block_size, retain_evicted, main_kinds))]
+    fn new(
+        worker_id: u64,
+        block_size: usize,
+        retain_evicted: usize,
+        main_kinds: Vec<String>,
+    ) -> PyResult<Self> {
+        if block_size == 0 {
+            return Err(PyValueError::new_err("block_size must be positive"));
+        }
+        let kinds: Vec<&str> = main_kinds.iter().map(String::as_str).collect();
+        Ok(PyNormalizer {
+            inner: Normalizer::new(worker_id, block_size, retain_evicted, &kinds),
+        })
+    }
+
+    /// Normalizes one payload (bytes) with the GIL released. Raises `PayloadError`.
+    #[pyo3(signature = (payload, seq=None))]
+    fn normalize(
+        &mut self,
+        py: Python<'_>,
+        payload: &[u8],
+        seq: Option<u64>,
+    ) -> PyResult<PyOutput> {
+        let inner = &mut self.inner;
+        let output = py
+            .detach(|| inner.normalize(payload, seq))
+            .map_err(payload_error)?;
+        Ok(self.wrap(output))
+    }
+
+    /// Forgets one rank (or all) and returns the clears that undo it downstream.
+    #[pyo3(signature = (dp_rank=None))]
+    fn reset(&mut self, dp_rank: Option<u32>) -> PyOutput {
+        let output = self.inner.reset(dp_rank);
+        self.wrap(output)
+    }
+
+    /// Adds unknown fields a caller's own decoder counted.
+    fn add_unknown_fields(&mut self, count: u64) {
+        self.inner.counters.unknown_fields += count;
+    }
+
+    #[getter]
+    fn unknown_fields(&self) -> u64 {
+        self.inner.counters.unknown_fields
+    }
+
+    /// Blocks forwarded: (action, tier index, count), non-zero entries only.
+    fn forwarded(&self) -> Vec<(&'static str, usize, u64)> {
+        let mut out = Vec::new();
+        for action in [Action::Stored, Action::Removed, Action::Cleared] {
+            for tier in Tier::ALL {
+                let count = self.inner.counters.forwarded[action as usize][tier as usize];
+                if count > 0 {
+                    out.push((action.name(), tier as usize, count));
+                }
+            }
+        }
+        out
+    }
+
+    /// Blocks not forwarded: (action, tier name or "unknown", reason, count), non-zero only.
+    fn dropped(&self) -> Vec<(&'static str, &'static str, &'static str, u64)> {
+        let mut out = Vec::new();
+        for action in [Action::Stored, Action::Removed] {
+            for tier_index in 0..5 {
+                let tier = if tier_index == 4 {
+                    "unknown"
+                } else {
+                    Tier::ALL[tier_index].name()
+                };
+                for reason in DropReason::ALL {
+                    let count =
+                        self.inner.counters.dropped[action as usize][tier_index][reason as usize];
+                    if count > 0 {
+                        out.push((action.name(), tier, reason.name(), count));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Reasons dropped for the first time since the last call: (reason, action, tier, medium).
+    fn take_first_drops(
+        &mut self,
+    ) -> Vec<(
+        &'static str,
+        &'static str,
+        Option<&'static str>,
+        Option<String>,
+    )> {
+        self.inner
+            .first_drops
+            .drain(..)
+            .map(|drop| {
+                (
+                    drop.reason.name(),
+                    drop.action.name(),
+                    drop.tier.map(Tier::name),
+                    drop.medium,
+                )
+            })
+            .collect()
+    }
+
+    fn dp_ranks(&self) -> Vec<u32> {
+        self.inner.dp_ranks()
+    }
+
+    fn resident_blocks(&self, dp_rank: u32, tier: usize) -> PyResult<usize> {
+        Ok(self.inner.resident_blocks(dp_rank, tier_of(tier)?))
+    }
+
+    /// (live, retired) engine hashes tracked over every rank.
+    fn tracked_blocks(&self) -> (usize, usize) {
+        self.inner.tracked_blocks()
+    }
+
+    /// Bytes of heap the state holds.
+    fn heap_bytes(&self) -> usize {
+        self.inner.heap_bytes()
+    }
+}
+
+impl PyNormalizer {
+    fn wrap(&self, output: Output) -> PyOutput {
+        PyOutput {
+            output,
+            worker_id: self.inner.worker_id,
+            block_size: self.inner.block_size as u64,
+        }
+    }
+}
+
+/// The canonical events of one batch, kept as the core wrote them until a view is asked for.
+#[pyclass(module = "kvbridge._core", name = "Output", frozen)]
+struct PyOutput {
+    output: Output,
+    worker_id: u64,
+    block_size: u64,
+}
+
+#[pymethods]
+impl PyOutput {
+    fn __len__(&self) -> usize {
+        self.output.events.len()
+    }
+
+    /// The relay's canonical vLLM payloads, one per dp-rank run.
+    fn canonical_payloads<'py>(&self, py: Python<'py>, ts: f64) -> PyResult<Bound<'py, PyList>> {
+        let payloads = py.detach(|| self.output.canonical_payloads(self.block_size, ts));
+        PyList::new(py, payloads.iter().map(|payload| PyBytes::new(py, payload)))
+    }
+
+    /// The msgpack of `list[TieredEvent]`.
+    fn tiered_events<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let bytes = py.detach(|| self.output.tiered_events(self.worker_id));
+        PyBytes::new(py, &bytes)
+    }
+}
+
+/// The core's decoding of a payload, as plain values, for differential tests against the
+/// msgspec decoder: `(ts, dp_rank, unknown_fields, events)`, each event a tuple of its tag and
+/// its fields in layout order (hashes as u64, extra keys as msgpack bytes).
+#[pyfunction]
+fn decode_view<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyTuple>> {
+    let mut arena = Arena::default();
+    let batch = decode(payload, &mut arena).map_err(payload_error)?;
+    let mut events: Vec<Bound<'py, PyTuple>> = Vec::with_capacity(batch.events.len());
+    for event in &batch.events {
+        let tuple = match event {
+            Event::Stored(s) => {
+                let raw = |value: Option<&[u8]>| value.map(|bytes| PyBytes::new(py, bytes));
+                let fields: Vec<Bound<'py, PyAny>> = vec![
+                    layout::STORED.into_pyobject(py)?.into_any(),
+                    arena.hashes[s.hashes.clone()].into_pyobject(py)?.into_any(),
+                    s.parent.into_pyobject(py)?.into_any(),
+                    arena.tokens[s.tokens.clone()].into_pyobject(py)?.into_any(),
+                    s.block_size.into_pyobject(py)?.into_any(),
+                    s.lora_id.into_pyobject(py)?.into_any(),
+                    s.medium.into_pyobject(py)?.into_any(),
+                    s.lora_name.into_pyobject(py)?.into_any(),
+                    raw(s.extra_keys).into_pyobject(py)?.into_any(),
+                    s.group_idx.into_pyobject(py)?.into_any(),
+                    s.spec_kind.into_pyobject(py)?.into_any(),
+                    s.sliding_window.into_pyobject(py)?.into_any(),
+                    s.locality.into_pyobject(py)?.into_any(),
+                    s.ownership.into_pyobject(py)?.into_any(),
+                    s.session_id.into_pyobject(py)?.into_any(),
+                    raw(s.lookahead).into_pyobject(py)?.into_any(),
+                ];
+                PyTuple::new(py, fields)?
+            }
+            Event::Removed(r) => {
+                let fields: Vec<Bound<'py, PyAny>> = vec![
+                    layout::REMOVED.into_pyobject(py)?.into_any(),
+                    arena.hashes[r.hashes.clone()].into_pyobject(py)?.into_any(),
+                    r.medium.into_pyobject(py)?.into_any(),
+                    r.group_idx.into_pyobject(py)?.into_any(),
+                    r.locality.into_pyobject(py)?.into_any(),
+                    r.ownership.into_pyobject(py)?.into_any(),
+                ];
+                PyTuple::new(py, fields)?
+            }
+            Event::Cleared => PyTuple::new(py, [layout::CLEARED])?,
+        };
+        events.push(tuple);
+    }
+    (batch.ts, batch.dp_rank, batch.unknown_fields, events).into_pyobject(py)
+}
+
+#[pymodule]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<PyNormalizer>()?;
+    module.add_class::<PyOutput>()?;
+    module.add_function(wrap_pyfunction!(decode_view, module)?)?;
+    module.add("PayloadError", module.py().get_type::<PayloadError>())?;
+    module.add("STORED_FIELDS", layout::STORED_FIELDS.to_vec())?;
+    module.add("REMOVED_FIELDS", layout::REMOVED_FIELDS.to_vec())?;
+    module.add("STORED_REQUIRED", layout::STORED_REQUIRED)?;
+    module.add("REMOVED_REQUIRED", layout::REMOVED_REQUIRED)?;
+    module.add("STORED_ARRAY_FIELDS", layout::STORED_ARRAY_FIELDS)?;
+    module.add("REMOVED_ARRAY_FIELDS", layout::REMOVED_ARRAY_FIELDS)?;
+    module.add("MAX_DEPTH", MAX_DEPTH)?;
+    module.add(
+        "MEDIA",
+        kvbridge_core::media::MEDIA
+            .iter()
+            .map(|(name, tier)| (*name, tier.name()))
+            .collect::<Vec<_>>(),
+    )?;
+    module.add(
+        "TIERS",
+        Tier::ALL.iter().map(|tier| tier.name()).collect::<Vec<_>>(),
+    )?;
+    Ok(())
+}
