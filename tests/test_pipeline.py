@@ -240,7 +240,8 @@ def test_an_uncleared_source_clears_its_rank_before_its_first_batch(engines: Mak
     assert [type(item) for item in items] == [StreamReset, Message]
     assert items[0] == StreamReset(source, "lost", 1)
 
-    assert recorder.shapes() == [(1, [(1, 1, "cleared")] * CLEARS), (1, [(1, 1, "stored")])]
+    # The clear and the batch go out together: one delivery, one canonical payload.
+    assert recorder.shapes() == [(1, [(1, 1, "cleared")] * CLEARS + [(1, 1, "stored")])]
     assert overlap(index, A + B) == {}
     assert overlap(index, D) == {(1, 1): (1, 1, 1)}
     worker = pipeline.workers[1]
@@ -254,8 +255,8 @@ def test_an_uncleared_source_clears_its_rank_before_its_first_batch(engines: Mak
 
 
 def test_a_bad_first_frame_of_an_uncleared_source() -> None:
-    """With a readable envelope the owed clear goes out (the normalizer has already forgotten
-    the rank); without one there is no rank to clear and the source stays uncleared."""
+    """A bad frame changes nothing, not even the clear the source owes: that goes out with the
+    source's first good batch, whatever the bad frames looked like."""
     source = Source("tcp://*:1", None, 1)
     recorder = Recorder()
     pipeline = StreamPipeline(BS, sinks=[recorder])
@@ -269,13 +270,15 @@ def test_a_bad_first_frame_of_an_uncleared_source() -> None:
 
     bad_event = msgspec.msgpack.encode([time.time(), [{"type": "Bogus"}], 2])
     pipeline.feed(Message(source, 4, b"", bad_event, 0))
-    assert recorder.shapes() == [(1, [(1, 2, "cleared")] * CLEARS)]
-    assert pipeline.workers[1].uncleared == set()
+    assert recorder.seen == []
+    assert pipeline.workers[1].uncleared == {source}
     assert pipeline.workers[1].ranks == {}
     assert pipeline.stats["bad_frame:schema"] == 2
 
     pipeline.feed(Message(source, 5, b"", payload([store(A, hashes=[1])], 2), 0))
-    assert recorder.shapes()[1:] == [(1, [(1, 2, "stored")])]
+    assert recorder.shapes() == [(1, [(1, 2, "cleared")] * CLEARS + [(1, 2, "stored")])]
+    assert pipeline.workers[1].uncleared == set()
+    assert pipeline.workers[1].ranks == {source: {2}}
 
 
 # --------------------------------------------------------------------------- shared normalizer

@@ -23,11 +23,9 @@ thing with a worker's stream, and it is easy to get subtly wrong when written se
 implementation can take over both, down to producing the relay's bytes without building
 Python events when only a publisher listens.
 
-The one thing it reads from a payload itself is the batch's envelope, ``[ts, events,
-dp_rank]`` with the events left undecoded (:func:`_envelope`): the per-source ranks, the lag and
-the canonical stream's timestamps need the batch's rank and engine time, which a
-``NormalizedBatch`` does not carry, and an uncleared source needs its rank *before* the batch
-is normalized.
+The batch's engine time and rank, which the per-source ranks, the lag and the canonical
+stream's timestamps need, come with the result; an uncleared source's clear is made by the
+normalizer in the same result, so that it goes out in the same canonical payload.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
-import msgspec
 import structlog
 
 from kvbridge.adapters.capture import FrameRecord
@@ -124,33 +121,6 @@ class WorkerState:
         """Seconds between the engine step and its batch reaching the pipeline, last batch."""
 
 
-class _Envelope(msgspec.Struct, array_like=True):
-    """A vLLM batch without its events: as lenient as any layout ``decode_batch`` accepts
-    (every release sends ``[ts, events]`` or ``[ts, events, dp_rank]``, maybe more after)."""
-
-    ts: float
-    events: msgspec.Raw
-    data_parallel_rank: int | None = None
-
-
-_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
-
-
-def _envelope(batch: bytes | memoryview | VllmBatch) -> tuple[float, int]:
-    """The batch's engine time and dp rank, without decoding its events.
-
-    Raises:
-        SchemaError: the payload is not a vLLM batch (then ``decode_batch`` rejects it too).
-    """
-    if isinstance(batch, VllmBatch):
-        return batch.ts, batch.data_parallel_rank or 0
-    try:
-        envelope = _ENVELOPE.decode(batch)
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
-        raise SchemaError(f"batch: {error}") from error
-    return envelope.ts, envelope.data_parallel_rank or 0
-
-
 def record_source(record: FrameRecord) -> Source:
     """The source a capture record came from; a replayed record (stream ``replay:<endpoint>``)
     belongs to the same source as the live ones."""
@@ -217,19 +187,9 @@ class StreamPipeline:
         """
         self.stats["batches_in"] += 1
         worker = self.worker(source.worker_id)
-        normalizer = worker.normalizer
-        cleared: NormalizedBatch | None = None
-        if source in worker.uncleared:
-            # The rank is only known from the batch, and the clear must come before it.
-            try:
-                ts, rank = _envelope(batch)
-            except SchemaError:
-                pass  # process() rejects it below, with the decoder's own message
-            else:
-                worker.uncleared.discard(source)
-                cleared = normalizer.process_reset(rank)
+        uncleared = source in worker.uncleared
         try:
-            normalized = normalizer.process(batch, seq)
+            normalized = worker.normalizer.process(batch, seq, reset_first=uncleared)
         except SchemaError as error:
             self.stats["bad_frame:schema"] += 1
             log.warning(
@@ -239,16 +199,13 @@ class StreamPipeline:
                 reason="schema",
                 error=str(error),
             )
-            if cleared is not None:
-                # The normalizer has forgotten the rank: the sinks must forget it too. The
-                # source counts as cleared; the bad batch delivered no rank.
-                self._emit(source, cleared, time.time())
             return
-        ts, rank = _envelope(batch)  # it decoded, so its envelope does
+        ts, rank = normalized.ts, normalized.dp_rank
+        assert ts is not None and rank is not None  # a batch's result names its batch
+        if uncleared:
+            worker.uncleared.discard(source)
         worker.ranks.setdefault(source, set()).add(rank)
         worker.lag = max(0.0, time.time() - ts)
-        if cleared is not None:
-            self._emit(source, cleared, ts)
         self._emit(source, normalized, ts)
 
     def feed_reset(self, reset: StreamReset) -> None:

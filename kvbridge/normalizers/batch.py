@@ -32,6 +32,16 @@ class NormalizedBatch(Sequence[TieredEvent]):
     def __len__(self) -> int:
         return len(self._output)
 
+    @property
+    def ts(self) -> float | None:
+        """The engine time of the input batch; ``None`` for a reset."""
+        return self._output.ts
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The dp rank of the input batch (0 when it names none); ``None`` for a reset."""
+        return self._output.dp_rank
+
     def __iter__(self) -> Iterator[TieredEvent]:
         return iter(self.events)
 

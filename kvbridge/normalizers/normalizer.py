@@ -104,17 +104,26 @@ class Normalizer:
         return self.process(batch, seq).events
 
     def process(
-        self, batch: VllmBatch | bytes | memoryview, seq: int | None = None
+        self,
+        batch: VllmBatch | bytes | memoryview,
+        seq: int | None = None,
+        *,
+        reset_first: bool = False,
     ) -> NormalizedBatch:
         """:meth:`normalize` for pipelines: a :class:`NormalizedBatch`, whose events are built
         only if asked for. A payload that does not decode raises
-        :class:`~kvbridge.schemas.SchemaError` and leaves the state unchanged."""
+        :class:`~kvbridge.schemas.SchemaError` and leaves the state unchanged.
+
+        ``reset_first`` clears the batch's rank before the batch, in the same result: for a
+        stream that restarted before any batch named its rank, whose consumers may still hold
+        that rank's blocks.
+        """
         if isinstance(batch, VllmBatch):
             payload, unknown = _payload_of(batch), batch.unknown_fields
         else:
             payload, unknown = bytes(batch), 0
         try:
-            output = self._core.normalize(payload, seq)
+            output = self._core.normalize(payload, seq, reset_first)
         except _core.PayloadError as error:
             message, event_index, field = error.args
             raise SchemaError(message, event_index=event_index, field=field) from None

@@ -156,10 +156,27 @@ impl Normalizer {
     }
 
     /// The canonical events of one payload. A payload that does not decode changes nothing.
-    /// `seq` becomes the events' id; without it an internal counter is used.
-    pub fn normalize(&mut self, payload: &[u8], seq: Option<u64>) -> Result<Output, SchemaError> {
+    /// `seq` becomes the events' id; without it an internal counter is used. `reset_first`
+    /// clears the batch's rank before the batch (see [`Normalizer::reset`]), for a stream
+    /// that restarted before the rank was known.
+    pub fn normalize(
+        &mut self,
+        payload: &[u8],
+        seq: Option<u64>,
+        reset_first: bool,
+    ) -> Result<Output, SchemaError> {
         let mut arena = std::mem::take(&mut self.arena);
-        let result = decode(payload, &mut arena).map(|batch| self.apply(&batch, &arena, seq));
+        let result = decode(payload, &mut arena).map(|batch| {
+            let dp_rank = batch.dp_rank.unwrap_or(0);
+            let mut out = if reset_first {
+                self.reset(Some(dp_rank))
+            } else {
+                Output::default()
+            };
+            self.apply(&batch, &arena, seq, &mut out);
+            out.batch = Some((batch.ts, dp_rank));
+            out
+        });
         self.arena = arena;
         result
     }
@@ -239,7 +256,7 @@ impl Normalizer {
         id
     }
 
-    fn apply(&mut self, batch: &Batch<'_>, arena: &Arena, seq: Option<u64>) -> Output {
+    fn apply(&mut self, batch: &Batch<'_>, arena: &Arena, seq: Option<u64>, out: &mut Output) {
         let event_id = match seq {
             Some(seq) => seq,
             None => self.next_id(),
@@ -253,7 +270,6 @@ impl Normalizer {
             }
         };
         self.counters.unknown_fields += batch.unknown_fields;
-        let mut out = Output::default();
         let mut gone: Vec<u64> = Vec::new();
         let mut gone_tier: Option<Tier> = None;
         for event in &batch.events {
@@ -263,7 +279,7 @@ impl Normalizer {
                         continue;
                     };
                     if gone_tier != Some(tier) && !gone.is_empty() {
-                        self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, &mut out);
+                        self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, out);
                     }
                     gone_tier = Some(tier);
                     self.removed(
@@ -276,22 +292,21 @@ impl Normalizer {
                 }
                 other => {
                     if !gone.is_empty() {
-                        self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, &mut out);
+                        self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, out);
                     }
                     match other {
                         Event::Stored(stored) => {
-                            self.stored(&mut rank, dp_rank, event_id, stored, arena, &mut out)
+                            self.stored(&mut rank, dp_rank, event_id, stored, arena, out)
                         }
-                        _ => self.clear(&mut rank, dp_rank, event_id, &mut out),
+                        _ => self.clear(&mut rank, dp_rank, event_id, out),
                     }
                 }
             }
         }
         if !gone.is_empty() {
-            self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, &mut out);
+            self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, out);
         }
         self.ranks.insert(dp_rank, rank);
-        out
     }
 
     // -- admission ------------------------------------------------------------------------

@@ -39,6 +39,8 @@ pub struct OutEvent {
 /// The canonical events of one batch or reset, with their lists in flat arrays.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Output {
+    /// The input batch's engine time and dp rank; none for a reset.
+    pub batch: Option<(f64, u32)>,
     pub events: Vec<OutEvent>,
     pub blocks: Vec<(u64, u64)>,
     pub tokens: Vec<u32>,

@@ -57,16 +57,17 @@ impl PyNormalizer {
     }
 
     /// Normalizes one payload (bytes) with the GIL released. Raises `PayloadError`.
-    #[pyo3(signature = (payload, seq=None))]
+    #[pyo3(signature = (payload, seq=None, reset_first=false))]
     fn normalize(
         &mut self,
         py: Python<'_>,
         payload: &[u8],
         seq: Option<u64>,
+        reset_first: bool,
     ) -> PyResult<PyOutput> {
         let inner = &mut self.inner;
         let output = py
-            .detach(|| inner.normalize(payload, seq))
+            .detach(|| inner.normalize(payload, seq, reset_first))
             .map_err(payload_error)?;
         Ok(self.wrap(output))
     }
@@ -188,6 +189,18 @@ struct PyOutput {
 impl PyOutput {
     fn __len__(&self) -> usize {
         self.output.events.len()
+    }
+
+    /// The input batch's engine time, or `None` for a reset.
+    #[getter]
+    fn ts(&self) -> Option<f64> {
+        self.output.batch.map(|(ts, _)| ts)
+    }
+
+    /// The input batch's dp rank (0 when it names none), or `None` for a reset.
+    #[getter]
+    fn dp_rank(&self) -> Option<u32> {
+        self.output.batch.map(|(_, rank)| rank)
     }
 
     /// The relay's canonical vLLM payloads, one per dp-rank run.
