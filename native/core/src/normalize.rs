@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::decode::{decode, Arena, Batch, Event, Removed, SchemaError, Stored};
-use crate::hashing::{block_seed, identifier_hash, sequence_hash, tokens_hash, DYNAMO_SALT_PREFIX};
+use crate::hashing::{block_seed, identifier_hash, tokens_hash, DYNAMO_SALT_PREFIX};
 use crate::media::{tier_for_medium, Tier};
 use crate::msgpack::{Item, Reader};
 use crate::output::{Body, OutEvent, Output};
@@ -497,9 +497,9 @@ impl Normalizer {
                 salt = cache_salt(stored).map(Arc::from);
             }
             Some(engine) => {
-                let block = rank.block(rank.lookup(engine)?);
-                let context = self.context_of(block.context).clone();
-                parent = Some(block.canonical);
+                let slot = rank.lookup(engine)?;
+                let context = self.context_of(rank.context(slot)).clone();
+                parent = Some(rank.canonical(slot));
                 salt = context.cache_salt;
                 if lora.is_none() {
                     lora = context.lora_name;
@@ -516,9 +516,8 @@ impl Normalizer {
         for (index, &key) in hashes.iter().enumerate() {
             let slot = match rank.revive(key) {
                 Some(slot) => {
-                    let block = rank.block(slot);
-                    if block.context != context {
-                        context = block.context;
+                    if rank.context(slot) != context {
+                        context = rank.context(slot);
                         seed = self.contexts[context as usize].1;
                     }
                     slot
@@ -530,11 +529,10 @@ impl Normalizer {
                         mm_hashes(keys, &mut mm);
                     }
                     let content = tokens_hash(block_tokens, seed, &mut mm, &mut scratch);
-                    let canonical = sequence_hash(parent, content);
-                    rank.insert(key, canonical, content, parent, context, block_tokens)
+                    rank.insert(key, content, parent, context, block_tokens)
                 }
             };
-            parent = Some(rank.block(slot).canonical);
+            parent = Some(rank.canonical(slot));
             slots.push(slot);
         }
         Some(slots)
@@ -559,11 +557,8 @@ impl Normalizer {
         let mut last: Option<u64> = None;
         let mut duplicates = 0;
         for (index, &slot) in slots.iter().enumerate() {
-            let block = rank.block(slot);
-            let (canonical, parent) = (block.canonical, block.parent);
-            let count = rank.refs[tier as usize].entry(canonical).or_insert(0);
-            *count += 1;
-            if *count > 1 {
+            let (canonical, parent) = (rank.canonical(slot), rank.parent(slot));
+            if rank.add_ref(slot, tier) > 0 {
                 duplicates += 1;
                 continue;
             }
@@ -600,12 +595,12 @@ impl Normalizer {
         out: &mut Output,
     ) {
         self.counters.forwarded[Action::Stored as usize][tier as usize] += run.len() as u64;
-        let first = rank.block(run[0]);
+        let first = run[0];
         let blocks_start = out.blocks.len();
-        out.blocks.extend(run.iter().map(|&slot| {
-            let block = rank.block(slot);
-            (block.canonical, block.tokens_hash)
-        }));
+        out.blocks.extend(
+            run.iter()
+                .map(|&slot| (rank.canonical(slot), rank.tokens_hash(slot))),
+        );
         let tokens_start = out.tokens.len();
         match tokens {
             Some(tokens) => {
@@ -615,17 +610,17 @@ impl Normalizer {
             }
             None => {
                 for &slot in run {
-                    out.tokens.extend_from_slice(rank.tokens(slot));
+                    rank.read_tokens(slot, &mut out.tokens);
                 }
             }
         }
-        let context = self.context_of(first.context).clone();
+        let context = self.context_of(rank.context(first)).clone();
         out.events.push(OutEvent {
             dp_rank,
             tier,
             event_id,
             body: Body::Stored {
-                parent: first.parent,
+                parent: rank.parent(first),
                 blocks: blocks_start..out.blocks.len(),
                 tokens: tokens_start..out.tokens.len(),
                 lora_name: context.lora_name,
@@ -646,32 +641,29 @@ impl Normalizer {
         hashes: &[u64],
         gone: &mut Vec<u64>,
     ) {
-        let elsewhere: Vec<usize> = Tier::ALL
-            .iter()
-            .map(|other| *other as usize)
-            .filter(|&other| other != tier as usize && !rank.refs[other].is_empty())
+        let elsewhere: Vec<Tier> = Tier::ALL
+            .into_iter()
+            .filter(|&other| other != tier && rank.holds_any(other))
             .collect();
         let mut evicted = Vec::new();
         for &key in hashes {
             let slot = rank.live(key);
-            let canonical = slot.map(|slot| rank.block(slot).canonical);
-            let count = canonical
-                .and_then(|canonical| rank.refs[tier as usize].get(&canonical).copied())
-                .unwrap_or(0);
-            if count == 1 {
+            let canonical = slot.map(|slot| rank.canonical(slot));
+            let count = canonical.map_or(0, |canonical| rank.refs_of(canonical, tier));
+            if count >= 1 {
                 let canonical = canonical.expect("a counted block");
-                rank.refs[tier as usize].remove(&canonical);
-                gone.push(canonical);
-                if !elsewhere
-                    .iter()
-                    .any(|&other| rank.refs[other].contains_key(&canonical))
-                {
-                    evicted.push(slot.expect("a counted block"));
+                rank.release_ref(canonical, tier);
+                if count == 1 {
+                    gone.push(canonical);
+                    if !elsewhere
+                        .iter()
+                        .any(|&other| rank.refs_of(canonical, other) > 0)
+                    {
+                        evicted.push(slot.expect("a counted block"));
+                    }
+                } else {
+                    self.count_drop(Action::Removed, tier, DropReason::StillReferenced, 1);
                 }
-            } else if count > 1 {
-                let canonical = canonical.expect("a counted block");
-                rank.refs[tier as usize].insert(canonical, count - 1);
-                self.count_drop(Action::Removed, tier, DropReason::StillReferenced, 1);
             } else if rank.cleared.remove(&key) {
                 self.count_drop(Action::Removed, tier, DropReason::ClearedEarlier, 1);
             } else {
@@ -715,12 +707,10 @@ impl Normalizer {
             rank.cleared.clear();
         }
         for &slot in &live {
-            rank.cleared.insert(rank.block(slot).engine);
+            rank.cleared.insert(rank.engine(slot));
         }
+        rank.clear_refs();
         rank.retire(&live, self.retain_evicted);
-        for refs in rank.refs.iter_mut() {
-            refs.clear();
-        }
         for tier in Tier::ALL {
             self.counters.forwarded[Action::Cleared as usize][tier as usize] += 1;
             out.events.push(OutEvent {

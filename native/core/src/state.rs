@@ -1,62 +1,138 @@
 //! The state of one dp rank's stream: what each engine hash stands for, and what is resident.
+//!
+//! Memory is the point of this module's layout. A tracked block costs 36 bytes of fields, its
+//! tokens at 3 bytes each (4 once a token id needs more than 24 bits), and a slot in each of two
+//! index tables of `u32` (about 5 to 10 bytes each, by the tables' load):
+//!
+//! - the blocks live in one slab of parallel arrays, addressed by slot;
+//! - the engine-hash index and the canonical-hash index hold only slots, and compare by the
+//!   slab's fields, so a key is stored once;
+//! - the canonical hash is not stored: it is Dynamo's sequence hash of the parent and the
+//!   tokens hash, recomputed where it is needed;
+//! - reference counts live in the slot that owns the canonical block (the first live slot that
+//!   made it resident), as one byte per tier, with larger counts kept aside.
+
+use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
-use hashbrown::{HashMap, HashSet};
-use std::collections::VecDeque;
+use hashbrown::{HashMap, HashSet, HashTable};
 
+use crate::hashing::sequence_hash;
 use crate::media::Tier;
 
-/// The hasher of every table. Keys are engine or Dynamo hashes, so a fast, seeded mix suffices.
+/// The hasher of every table. Keys are engine or Dynamo hashes; a fixed seed keeps runs
+/// reproducible, and foldhash's mixing keeps crafted hashes from clustering.
 pub type Hasher = FixedState;
+
+const SEED: u64 = 0x6b76_6272_6964_6765;
 
 pub type Map<K, V> = HashMap<K, V, Hasher>;
 pub type Set<K> = HashSet<K, Hasher>;
 
 pub fn map<K, V>() -> Map<K, V> {
-    HashMap::with_hasher(Hasher::with_seed(0x6b76_6272_6964_6765))
+    HashMap::with_hasher(Hasher::with_seed(SEED))
 }
 
 pub fn set<K>() -> Set<K> {
-    HashSet::with_hasher(Hasher::with_seed(0x6b76_6272_6964_6765))
+    HashSet::with_hasher(Hasher::with_seed(SEED))
 }
 
-/// Whether a record's engine hash is live (on some tier, or just stored) or retired (evicted
-/// from every tier, remembered for late placeholders and children).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Residence {
-    Live,
-    Retired,
+fn hash_u64(value: u64) -> u64 {
+    Hasher::with_seed(SEED).hash_one(value)
 }
 
-/// What one engine hash stands for: a canonical block and the inputs of its hashes.
-#[derive(Debug, Clone)]
-pub struct Block {
-    pub engine: u64,
-    pub canonical: u64,
-    pub tokens_hash: u64,
-    pub parent: Option<u64>,
-    /// The interned (LoRA name, cache salt) of the block (see `Normalizer`).
-    pub context: u32,
-    pub residence: Residence,
-    /// When the block last became live or retired: orders the live blocks as they were
-    /// inserted, and tells the retired queue's stale entries from current ones.
-    pub order: u64,
+/// A slot of the slab.
+pub type Slot = u32;
+
+const LIVE: u32 = 1 << 31;
+const RETIRED: u32 = 1 << 30;
+const HAS_PARENT: u32 = 1 << 29;
+const CONTEXT_MASK: u32 = HAS_PARENT - 1;
+/// A reference count of this value or more is kept in the spill table.
+const SPILLED: u8 = u8::MAX;
+
+/// Token ids at three bytes each while they fit, four after.
+#[derive(Debug)]
+struct Tokens {
+    block_size: usize,
+    width: usize,
+    bytes: Vec<u8>,
 }
 
-/// The blocks of one rank, live and retired, with their tokens in one flat array.
+impl Tokens {
+    fn new(block_size: usize) -> Self {
+        Tokens {
+            block_size,
+            width: 3,
+            bytes: Vec::new(),
+        }
+    }
+
+    fn stride(&self) -> usize {
+        self.block_size * self.width
+    }
+
+    fn widen(&mut self) {
+        let mut wide = Vec::with_capacity(self.bytes.len() / 3 * 4);
+        for chunk in self.bytes.chunks_exact(3) {
+            wide.extend_from_slice(&[chunk[0], chunk[1], chunk[2], 0]);
+        }
+        self.bytes = wide;
+        self.width = 4;
+    }
+
+    fn put(&mut self, slot: Slot, tokens: &[u32]) {
+        if self.width == 3 && tokens.iter().any(|token| *token >= 1 << 24) {
+            self.widen();
+        }
+        let stride = self.stride();
+        let start = slot as usize * stride;
+        if start == self.bytes.len() {
+            self.bytes.resize(start + stride, 0);
+        }
+        let width = self.width;
+        for (place, token) in self.bytes[start..start + stride]
+            .chunks_exact_mut(width)
+            .zip(tokens)
+        {
+            place.copy_from_slice(&token.to_le_bytes()[..width]);
+        }
+    }
+
+    fn read(&self, slot: Slot, out: &mut Vec<u32>) {
+        let start = slot as usize * self.stride();
+        for chunk in self.bytes[start..start + self.stride()].chunks_exact(self.width) {
+            let mut word = [0u8; 4];
+            word[..self.width].copy_from_slice(chunk);
+            out.push(u32::from_le_bytes(word));
+        }
+    }
+}
+
+/// The blocks of one rank, live and retired.
 #[derive(Debug)]
 pub struct Rank {
-    block_size: usize,
-    slots: Vec<Block>,
-    tokens: Vec<u32>,
-    free: Vec<u32>,
-    index: Map<u64, u32>,
+    engine: Vec<u64>,
+    tokens_hash: Vec<u64>,
+    parent: Vec<u64>,
+    /// Residence bits, parent bit and the interned context.
+    meta: Vec<u32>,
+    /// When the slot last became live or retired: orders the live blocks as they were
+    /// inserted, and tells the retired queue's stale entries from current ones.
+    order: Vec<u32>,
+    /// Per tier: the references to the slot's canonical block, if the slot owns it.
+    refs: Vec<[u8; 4]>,
+    tokens: Tokens,
+    free: Vec<Slot>,
+    by_engine: HashTable<Slot>,
+    by_canonical: HashTable<Slot>,
+    spill: Map<(Slot, u8), u32>,
+    resident: [usize; 4],
     live: usize,
-    retired: VecDeque<(u32, u64)>,
+    retired: VecDeque<(Slot, u32)>,
     retired_count: usize,
-    next_order: u64,
-    /// Per tier: canonical block → reference count.
-    pub refs: [Map<u64, u32>; 4],
+    next_order: u32,
     /// The kind of each KV-cache group, as stores named it.
     pub group_kinds: Map<u32, Box<str>>,
     /// Engine hashes that were live when the rank was last cleared.
@@ -66,54 +142,94 @@ pub struct Rank {
 impl Rank {
     pub fn new(block_size: usize) -> Self {
         Rank {
-            block_size,
-            slots: Vec::new(),
-            tokens: Vec::new(),
+            engine: Vec::new(),
+            tokens_hash: Vec::new(),
+            parent: Vec::new(),
+            meta: Vec::new(),
+            order: Vec::new(),
+            refs: Vec::new(),
+            tokens: Tokens::new(block_size),
             free: Vec::new(),
-            index: map(),
+            by_engine: HashTable::new(),
+            by_canonical: HashTable::new(),
+            spill: map(),
+            resident: [0; 4],
             live: 0,
             retired: VecDeque::new(),
             retired_count: 0,
             next_order: 0,
-            refs: [map(), map(), map(), map()],
             group_kinds: map(),
             cleared: set(),
         }
     }
 
-    fn order(&mut self) -> u64 {
+    // -- fields -------------------------------------------------------------------------------
+
+    pub fn engine(&self, slot: Slot) -> u64 {
+        self.engine[slot as usize]
+    }
+
+    pub fn tokens_hash(&self, slot: Slot) -> u64 {
+        self.tokens_hash[slot as usize]
+    }
+
+    pub fn parent(&self, slot: Slot) -> Option<u64> {
+        (self.meta[slot as usize] & HAS_PARENT != 0).then(|| self.parent[slot as usize])
+    }
+
+    /// The canonical block hash: Dynamo's sequence hash of the parent and the tokens hash.
+    pub fn canonical(&self, slot: Slot) -> u64 {
+        canonical_at(&self.meta, &self.parent, &self.tokens_hash, slot)
+    }
+
+    pub fn context(&self, slot: Slot) -> u32 {
+        self.meta[slot as usize] & CONTEXT_MASK
+    }
+
+    /// Appends the block's tokens to `out`.
+    pub fn read_tokens(&self, slot: Slot, out: &mut Vec<u32>) {
+        self.tokens.read(slot, out);
+    }
+
+    fn is_live(&self, slot: Slot) -> bool {
+        self.meta[slot as usize] & LIVE != 0
+    }
+
+    fn is_retired(&self, slot: Slot) -> bool {
+        self.meta[slot as usize] & RETIRED != 0
+    }
+
+    fn next(&mut self) -> u32 {
+        if self.next_order == u32::MAX {
+            self.renumber();
+        }
         self.next_order += 1;
         self.next_order
     }
 
-    pub fn block(&self, slot: u32) -> &Block {
-        &self.slots[slot as usize]
-    }
+    // -- lookups ------------------------------------------------------------------------------
 
-    pub fn tokens(&self, slot: u32) -> &[u32] {
-        let start = slot as usize * self.block_size;
-        &self.tokens[start..start + self.block_size]
+    /// The block of an engine hash, live or retired, left where it is.
+    pub fn lookup(&self, engine: u64) -> Option<Slot> {
+        let engines = &self.engine;
+        self.by_engine
+            .find(hash_u64(engine), |&slot| engines[slot as usize] == engine)
+            .copied()
     }
 
     /// The live block of an engine hash.
-    pub fn live(&self, engine: u64) -> Option<u32> {
-        let slot = *self.index.get(&engine)?;
-        (self.slots[slot as usize].residence == Residence::Live).then_some(slot)
-    }
-
-    /// The block of an engine hash, live or retired, left where it is.
-    pub fn lookup(&self, engine: u64) -> Option<u32> {
-        self.index.get(&engine).copied()
+    pub fn live(&self, engine: u64) -> Option<Slot> {
+        self.lookup(engine).filter(|&slot| self.is_live(slot))
     }
 
     /// The block of an engine hash for a store: a retired one becomes live again.
-    pub fn revive(&mut self, engine: u64) -> Option<u32> {
-        let slot = *self.index.get(&engine)?;
-        if self.slots[slot as usize].residence == Residence::Retired {
-            let order = self.order();
-            let block = &mut self.slots[slot as usize];
-            block.residence = Residence::Live;
-            block.order = order;
+    pub fn revive(&mut self, engine: u64) -> Option<Slot> {
+        let slot = self.lookup(engine)?;
+        if self.is_retired(slot) {
+            let order = self.next();
+            let meta = &mut self.meta[slot as usize];
+            *meta = (*meta & !RETIRED) | LIVE;
+            self.order[slot as usize] = order;
             self.retired_count -= 1;
             self.live += 1;
         }
@@ -124,48 +240,157 @@ impl Rank {
     pub fn insert(
         &mut self,
         engine: u64,
-        canonical: u64,
         tokens_hash: u64,
         parent: Option<u64>,
         context: u32,
         tokens: &[u32],
-    ) -> u32 {
-        let order = self.order();
-        let block = Block {
-            engine,
-            canonical,
-            tokens_hash,
-            parent,
-            context,
-            residence: Residence::Live,
-            order,
-        };
+    ) -> Slot {
+        debug_assert!(context <= CONTEXT_MASK);
+        let order = self.next();
+        let meta = LIVE | if parent.is_some() { HAS_PARENT } else { 0 } | context;
         let slot = match self.free.pop() {
             Some(slot) => {
-                self.slots[slot as usize] = block;
-                let start = slot as usize * self.block_size;
-                self.tokens[start..start + self.block_size].copy_from_slice(tokens);
+                let index = slot as usize;
+                self.engine[index] = engine;
+                self.tokens_hash[index] = tokens_hash;
+                self.parent[index] = parent.unwrap_or(0);
+                self.meta[index] = meta;
+                self.order[index] = order;
+                self.refs[index] = [0; 4];
                 slot
             }
             None => {
-                self.slots.push(block);
-                self.tokens.extend_from_slice(tokens);
-                (self.slots.len() - 1) as u32
+                self.engine.push(engine);
+                self.tokens_hash.push(tokens_hash);
+                self.parent.push(parent.unwrap_or(0));
+                self.meta.push(meta);
+                self.order.push(order);
+                self.refs.push([0; 4]);
+                (self.engine.len() - 1) as Slot
             }
         };
-        self.index.insert(engine, slot);
+        self.tokens.put(slot, tokens);
+        let engines = &self.engine;
+        self.by_engine
+            .insert_unique(hash_u64(engine), slot, |&s| hash_u64(engines[s as usize]));
         self.live += 1;
         slot
     }
 
+    // -- reference counts ---------------------------------------------------------------------
+
+    /// The slot holding the counts of a canonical block, if any tier holds it.
+    fn owner(&self, canonical: u64) -> Option<Slot> {
+        self.by_canonical
+            .find(hash_u64(canonical), |&slot| {
+                self.canonical(slot) == canonical
+            })
+            .copied()
+    }
+
+    fn count(&self, owner: Slot, tier: Tier) -> u32 {
+        match self.refs[owner as usize][tier as usize] {
+            SPILLED => self.spill[&(owner, tier as u8)],
+            small => u32::from(small),
+        }
+    }
+
+    fn set_count(&mut self, owner: Slot, tier: Tier, count: u32) {
+        let key = (owner, tier as u8);
+        if count >= u32::from(SPILLED) {
+            self.refs[owner as usize][tier as usize] = SPILLED;
+            self.spill.insert(key, count);
+        } else {
+            if self.refs[owner as usize][tier as usize] == SPILLED {
+                self.spill.remove(&key);
+            }
+            self.refs[owner as usize][tier as usize] = count as u8;
+        }
+    }
+
+    /// Counts one more reference to the block's canonical block on `tier`; returns the count
+    /// before.
+    pub fn add_ref(&mut self, slot: Slot, tier: Tier) -> u32 {
+        let canonical = self.canonical(slot);
+        let owner = match self.owner(canonical) {
+            Some(owner) => owner,
+            None => {
+                self.insert_owner(slot, canonical);
+                slot
+            }
+        };
+        let before = self.count(owner, tier);
+        if before == 0 {
+            self.resident[tier as usize] += 1;
+        }
+        self.set_count(owner, tier, before + 1);
+        before
+    }
+
+    fn insert_owner(&mut self, slot: Slot, canonical: u64) {
+        let (tokens_hash, parent, meta) = (&self.tokens_hash, &self.parent, &self.meta);
+        let rehash = |&s: &Slot| hash_u64(canonical_at(meta, parent, tokens_hash, s));
+        self.by_canonical
+            .insert_unique(hash_u64(canonical), slot, rehash);
+    }
+
+    /// The references to a canonical block on `tier`.
+    pub fn refs_of(&self, canonical: u64, tier: Tier) -> u32 {
+        self.owner(canonical)
+            .map_or(0, |owner| self.count(owner, tier))
+    }
+
+    /// Counts one reference less on `tier` (there must be one); the canonical block leaves the
+    /// index when no tier holds it any more.
+    pub fn release_ref(&mut self, canonical: u64, tier: Tier) {
+        let owner = self
+            .owner(canonical)
+            .expect("a referenced block has an owner");
+        let count = self.count(owner, tier) - 1;
+        self.set_count(owner, tier, count);
+        if count == 0 {
+            self.resident[tier as usize] -= 1;
+            if self.refs[owner as usize] == [0; 4] {
+                let found = self
+                    .by_canonical
+                    .find_entry(hash_u64(canonical), |&slot| slot == owner);
+                if let Ok(entry) = found {
+                    entry.remove();
+                }
+            }
+        }
+    }
+
+    /// Whether a tier holds any block of the rank.
+    pub fn holds_any(&self, tier: Tier) -> bool {
+        self.resident[tier as usize] > 0
+    }
+
+    /// The blocks resident on a tier.
+    pub fn resident(&self, tier: Tier) -> usize {
+        self.resident[tier as usize]
+    }
+
+    /// Forgets every reference count (a clear).
+    pub fn clear_refs(&mut self) {
+        for refs in &mut self.refs {
+            *refs = [0; 4];
+        }
+        self.spill.clear();
+        self.by_canonical.clear();
+        self.resident = [0; 4];
+    }
+
+    // -- retiring -----------------------------------------------------------------------------
+
     /// Moves live blocks to the retired ones, then forgets the oldest retired past `retain`.
-    pub fn retire(&mut self, slots: &[u32], retain: usize) {
+    pub fn retire(&mut self, slots: &[Slot], retain: usize) {
         for &slot in slots {
-            let order = self.order();
-            let block = &mut self.slots[slot as usize];
-            debug_assert_eq!(block.residence, Residence::Live);
-            block.residence = Residence::Retired;
-            block.order = order;
+            debug_assert!(self.is_live(slot));
+            let order = self.next();
+            let meta = &mut self.meta[slot as usize];
+            *meta = (*meta & !LIVE) | RETIRED;
+            self.order[slot as usize] = order;
             self.retired.push_back((slot, order));
             self.retired_count += 1;
             self.live -= 1;
@@ -174,39 +399,135 @@ impl Rank {
             let Some((slot, order)) = self.retired.pop_front() else {
                 break;
             };
-            let block = &self.slots[slot as usize];
-            if block.residence != Residence::Retired || block.order != order {
+            if !self.is_retired(slot) || self.order[slot as usize] != order {
                 continue; // revived since, or retired again later
             }
-            self.index.remove(&block.engine);
-            self.free.push(slot);
-            self.retired_count -= 1;
+            self.forget(slot);
         }
         if self.retired.len() > 2 * self.retired_count + 1024 {
-            let slots = &self.slots;
-            self.retired.retain(|&(slot, order)| {
-                let block = &slots[slot as usize];
-                block.residence == Residence::Retired && block.order == order
-            });
+            self.retired = self.retired_queue();
         }
-        if self.index.is_empty() {
-            self.slots.clear();
-            self.tokens.clear();
-            self.free.clear();
+        self.compact_if_sparse();
+    }
+
+    fn forget(&mut self, slot: Slot) {
+        let engine = self.engine[slot as usize];
+        if let Ok(entry) = self.by_engine.find_entry(hash_u64(engine), |&s| s == slot) {
+            entry.remove();
         }
+        self.meta[slot as usize] = 0;
+        self.free.push(slot);
+        self.retired_count -= 1;
+    }
+
+    /// The retired slots, oldest first, without stale entries.
+    fn retired_queue(&self) -> VecDeque<(Slot, u32)> {
+        let mut queue: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+            .filter(|&slot| self.is_retired(slot))
+            .map(|slot| (self.order[slot as usize], slot))
+            .collect();
+        queue.sort_unstable();
+        queue
+            .into_iter()
+            .map(|(order, slot)| (slot, order))
+            .collect()
     }
 
     /// Every live block, oldest first.
-    pub fn live_slots(&self) -> Vec<u32> {
-        let mut live: Vec<(u64, u32)> = self
-            .index
-            .values()
-            .filter(|&&slot| self.slots[slot as usize].residence == Residence::Live)
-            .map(|&slot| (self.slots[slot as usize].order, slot))
+    pub fn live_slots(&self) -> Vec<Slot> {
+        let mut live: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+            .filter(|&slot| self.is_live(slot))
+            .map(|slot| (self.order[slot as usize], slot))
             .collect();
         live.sort_unstable();
         live.into_iter().map(|(_, slot)| slot).collect()
     }
+
+    /// Renumbers the orders from 1 when the counter would wrap, keeping their sequence.
+    fn renumber(&mut self) {
+        let mut used: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+            .filter(|&slot| self.meta[slot as usize] & (LIVE | RETIRED) != 0)
+            .map(|slot| (self.order[slot as usize], slot))
+            .collect();
+        used.sort_unstable();
+        for (order, (_, slot)) in used.iter().enumerate() {
+            self.order[*slot as usize] = order as u32 + 1;
+        }
+        self.next_order = used.len() as u32;
+        self.retired = self.retired_queue();
+    }
+
+    /// Moves the blocks down over the free slots once most slots are free, so that the state
+    /// shrinks back after a mass eviction.
+    fn compact_if_sparse(&mut self) {
+        let slots = self.meta.len();
+        if slots < 4096 || self.free.len() * 2 < slots {
+            return;
+        }
+        let keep: Vec<Slot> = (0..slots as Slot)
+            .filter(|&slot| self.meta[slot as usize] & (LIVE | RETIRED) != 0)
+            .collect();
+        let mut remap = vec![Slot::MAX; slots];
+        let mut tokens = Tokens {
+            block_size: self.tokens.block_size,
+            width: self.tokens.width,
+            bytes: Vec::with_capacity(keep.len() * self.tokens.stride()),
+        };
+        let mut scratch = Vec::with_capacity(self.tokens.block_size);
+        let mut spill = map();
+        for (new, &old) in keep.iter().enumerate() {
+            remap[old as usize] = new as Slot;
+            scratch.clear();
+            self.tokens.read(old, &mut scratch);
+            tokens.put(new as Slot, &scratch);
+            for tier in 0..4u8 {
+                if let Some(count) = self.spill.get(&(old, tier)) {
+                    spill.insert((new as Slot, tier), *count);
+                }
+            }
+        }
+        fn pick<T: Copy>(values: &[T], keep: &[Slot]) -> Vec<T> {
+            keep.iter().map(|&slot| values[slot as usize]).collect()
+        }
+        self.engine = pick(&self.engine, &keep);
+        self.tokens_hash = pick(&self.tokens_hash, &keep);
+        self.parent = pick(&self.parent, &keep);
+        self.meta = pick(&self.meta, &keep);
+        self.order = pick(&self.order, &keep);
+        self.refs = pick(&self.refs, &keep);
+        self.tokens = tokens;
+        self.spill = spill;
+        self.free = Vec::new();
+        let mut by_engine = HashTable::with_capacity(keep.len());
+        let mut by_canonical = HashTable::with_capacity(self.by_canonical.len());
+        for slot in 0..keep.len() as Slot {
+            let engines = &self.engine;
+            by_engine.insert_unique(hash_u64(engines[slot as usize]), slot, |&s| {
+                hash_u64(engines[s as usize])
+            });
+        }
+        for &old in self.by_canonical.iter() {
+            let new = remap[old as usize];
+            if new == Slot::MAX {
+                continue; // unreachable: an owner holds references, so it is live
+            }
+            let canonical = self.canonical(new);
+            let this = &*self;
+            by_canonical.insert_unique(hash_u64(canonical), new, |&s| hash_u64(this.canonical(s)));
+        }
+        self.by_engine = by_engine;
+        self.by_canonical = by_canonical;
+        self.retired = self
+            .retired
+            .iter()
+            .filter_map(|&(slot, order)| {
+                let new = remap[slot as usize];
+                (new != Slot::MAX).then_some((new, order))
+            })
+            .collect();
+    }
+
+    // -- accounting ---------------------------------------------------------------------------
 
     pub fn live_count(&self) -> usize {
         self.live
@@ -216,25 +537,28 @@ impl Rank {
         self.retired_count
     }
 
-    /// The blocks resident on a tier.
-    pub fn resident(&self, tier: Tier) -> usize {
-        self.refs[tier as usize].len()
-    }
-
     /// Bytes held, by the allocations' capacities.
     pub fn heap_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Block>()
-            + self.tokens.capacity() * 4
+        self.engine.capacity() * 8
+            + self.tokens_hash.capacity() * 8
+            + self.parent.capacity() * 8
+            + self.meta.capacity() * 4
+            + self.order.capacity() * 4
+            + self.refs.capacity() * 4
+            + self.tokens.bytes.capacity()
             + self.free.capacity() * 4
-            + table_bytes(self.index.capacity(), std::mem::size_of::<(u64, u32)>())
-            + self.retired.capacity() * std::mem::size_of::<(u32, u64)>()
-            + self
-                .refs
-                .iter()
-                .map(|refs| table_bytes(refs.capacity(), std::mem::size_of::<(u64, u32)>()))
-                .sum::<usize>()
+            + table_bytes(self.by_engine.capacity(), 4)
+            + table_bytes(self.by_canonical.capacity(), 4)
+            + table_bytes(self.spill.capacity(), 12)
+            + self.retired.capacity() * 8
             + table_bytes(self.cleared.capacity(), 8)
     }
+}
+
+fn canonical_at(meta: &[u32], parent: &[u64], tokens_hash: &[u64], slot: Slot) -> u64 {
+    let index = slot as usize;
+    let parent = (meta[index] & HAS_PARENT != 0).then(|| parent[index]);
+    sequence_hash(parent, tokens_hash[index])
 }
 
 /// A hashbrown table's bytes: one control byte per bucket plus the entries, with buckets a
@@ -244,7 +568,7 @@ fn table_bytes(capacity: usize, entry: usize) -> usize {
         return 0;
     }
     let buckets = if capacity < 8 {
-        capacity + 1
+        (capacity + 1).next_power_of_two()
     } else {
         (capacity * 8 / 7).next_power_of_two()
     };
