@@ -7,8 +7,10 @@ differences live in one table, :data:`LAYOUTS`, which the decoder, the encoder, 
 the JSON Schema export all read.
 
 Decoding is tolerant but never guesses: unknown trailing positions and unknown map keys are
-ignored and counted, while an unknown event tag, a wrong type or a ``BlockStored`` whose tokens
-cannot cover its hashes raise :class:`SchemaError` naming the event index and the field.
+ignored and counted, while an unknown event tag, a wrong type, a value out of its range, a
+``BlockStored`` whose tokens cannot cover its hashes, malformed msgpack or arrays and maps nested
+deeper than :data:`MAX_NESTING` raise :class:`SchemaError` (naming the event index and the field
+where they are known). :func:`decode_batch` raises nothing else for any payload.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvbridge.schemas.errors import SchemaError
 
 __all__ = [
     "LAYOUTS",
+    "MAX_NESTING",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -39,8 +42,16 @@ __all__ = [
 BlockHash: TypeAlias = int | bytes
 """A block hash as vLLM sends it: an int (signed before 0.10.2) or the raw digest bytes."""
 
-TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-NonNegative: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
+U32: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+"""An unsigned 32-bit integer: token ids, block sizes, KV-cache group indices and dp ranks
+(Dynamo keeps token ids and dp ranks as u32)."""
+TokenId: TypeAlias = U32
+
+MAX_NESTING: Final = 64
+"""The deepest nesting of arrays and maps a payload may have, the batch array being level 1.
+vLLM's payloads nest at most 6 levels (an extra key's ``(identifier, offset)`` pair inside a
+block's extra keys); deeper payloads raise :class:`SchemaError` before msgspec recurses into
+them."""
 
 
 class _WireEvent(msgspec.Struct, tag_field="type"):
@@ -66,12 +77,12 @@ class BlockStored(_WireEvent, tag="BlockStored"):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[TokenId]
-    block_size: NonNegative
+    block_size: U32
     lora_id: int | None
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[list[Any] | None] | None = None
-    group_idx: NonNegative | None = None
+    group_idx: U32 | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
@@ -90,7 +101,7 @@ class BlockRemoved(_WireEvent, tag="BlockRemoved"):
 
     block_hashes: list[BlockHash]
     medium: str | None = None
-    group_idx: NonNegative | None = None
+    group_idx: U32 | None = None
     locality: str | None = None
     ownership: str | None = None
 
@@ -107,7 +118,7 @@ class VllmBatch(msgspec.Struct):
 
     ts: float
     events: list[Event]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: U32 | None = None
     unknown_fields: int = 0
     """Unknown trailing array positions plus unknown map keys that were ignored."""
 
@@ -202,7 +213,7 @@ def _event_union(*, array_like: bool, strict: bool) -> Any:
 class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: U32 | None = None
 
 
 class _TolerantWireBatch(_WireBatch, array_like=True, forbid_unknown_fields=False):
@@ -228,11 +239,39 @@ def _tokens_short(event: BlockStored) -> bool:
     )
 
 
-def _check_tokens(event: BlockStored) -> None:
+_KEY_LEVELS: Final = MAX_NESTING - 5
+"""How deep one extra key may nest: a block's keys are at level 5 (batch, events, event,
+``extra_keys``, the block's keys)."""
+
+
+def _nests_deeper(value: Any, levels: int) -> bool:
+    """Whether a decoded value's lists and dicts (tuples as dict keys) nest more than ``levels``
+    deep. Recurses at most ``levels`` times."""
+    if type(value) is dict:
+        children: Any = [*value, *value.values()]
+    elif type(value) is list or type(value) is tuple:
+        children = value
+    else:
+        return False
+    return levels < 1 or any(_nests_deeper(child, levels - 1) for child in children)
+
+
+def _check_store(event: BlockStored) -> None:
     """``__post_init__`` of the fast path's stores: msgspec calls it as it decodes each one, and
-    a failure sends the batch to the event-by-event path, whose error names the event."""
+    a failure sends the batch to the event-by-event path, whose error names the event.
+
+    The fast path does not look at nesting before it decodes: only the extra keys (typed
+    ``Any``) can nest deeply in what it accepts, so they are checked here, and a payload nested
+    deeper than :data:`MAX_NESTING` fails on either path.
+    """
     if _tokens_short(event):
         raise ValueError("the tokens cannot fill the blocks")
+    if event.extra_keys is not None:
+        for keys in event.extra_keys:
+            if keys:
+                for key in keys:
+                    if (type(key) is list or type(key) is dict) and _nests_deeper(key, _KEY_LEVELS):
+                        raise ValueError("an extra key nests too deep")
 
 
 def _fast_union(*, array_like: bool) -> Any:
@@ -255,7 +294,7 @@ def _fast_union(*, array_like: bool) -> Any:
             tag=base.__name__,
             array_like=array_like,
             forbid_unknown_fields=True,
-            namespace={"__post_init__": _check_tokens} if base is BlockStored else None,
+            namespace={"__post_init__": _check_store} if base is BlockStored else None,
         )
         for base in (BlockStored, BlockRemoved, AllBlocksCleared)
     )
@@ -269,7 +308,7 @@ _FAST_BATCHES = tuple(
             [
                 ("ts", float),
                 ("events", list[_fast_union(array_like=era)]),  # type: ignore[misc]
-                ("data_parallel_rank", int | None, None),
+                ("data_parallel_rank", U32 | None, None),
             ],
             array_like=True,
             forbid_unknown_fields=True,
@@ -357,7 +396,115 @@ def _field_error(index: int, raw: msgspec.Raw, error: Exception) -> SchemaError:
     return SchemaError(f"event {index}: field {field!r}: {text}", event_index=index, field=field)
 
 
+def _scalar_sizes() -> bytes:
+    """For each msgpack first byte, the size of the whole value if it has a fixed size (0 for
+    containers, for str, bin and ext with a length field, and for the unused 0xc1)."""
+    sizes = bytearray(256)
+    for head in range(256):
+        if head <= 0x7F or head >= 0xE0 or head in (0xC0, 0xC2, 0xC3):
+            sizes[head] = 1  # fixint, nil, bool
+        elif 0xA0 <= head <= 0xBF:
+            sizes[head] = 1 + (head & 0x1F)  # fixstr
+    for heads, size in (
+        ((0xCC, 0xD0), 2),  # (u)int8
+        ((0xCD, 0xD1), 3),  # (u)int16
+        ((0xCA, 0xCE, 0xD2), 5),  # float32, (u)int32
+        ((0xCB, 0xCF, 0xD3), 9),  # float64, (u)int64
+        ((0xD4,), 3),  # fixext 1, 2, 4, 8, 16 (type byte included)
+        ((0xD5,), 4),
+        ((0xD6,), 6),
+        ((0xD7,), 10),
+        ((0xD8,), 18),
+    ):
+        for head in heads:
+            sizes[head] = size
+    return bytes(sizes)
+
+
+_SCALAR_SIZES: Final = _scalar_sizes()
+_LENGTH_WIDTH: Final = {
+    **{0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4},  # bin, str
+    **{0xC7: 1, 0xC8: 2, 0xC9: 4},  # ext (a type byte follows the length)
+    **{0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4},  # array, map
+}
+
+
+def _too_deep(payload: bytes | memoryview, limit: int) -> list[tuple[int, bool]] | None:
+    """Where arrays and maps first nest deeper than ``limit`` levels, read from the msgpack
+    headers alone, before anything recurses: for each enclosing container, outermost first,
+    the position in it (a map counts its keys and values) and whether it is a map; ``None`` if
+    they never do.
+
+    Malformed or truncated msgpack ends the walk (``None``): msgspec then reports it, having
+    recursed no deeper than the walk did. Linear in the payload's size, recursion-free.
+    """
+    data = bytes(payload)
+    sizes = data.translate(_SCALAR_SIZES)  # each byte's value size, were it a header
+    stack: list[int] = []  # items left in each enclosing container (and the root), innermost last
+    opened: list[tuple[int, bool]] = []  # item count and map-ness of each enclosing container
+    remaining = 1  # the payload: one value
+    pos = 0
+    try:
+        while True:
+            while remaining:  # scalars of a fixed size: the bulk of a payload
+                size = sizes[pos]
+                if not size:
+                    break
+                pos += size
+                remaining -= 1
+            else:
+                if not stack:
+                    return None
+                remaining = stack.pop()
+                opened.pop()
+                continue
+            head = data[pos]
+            remaining -= 1
+            if head <= 0x9F:  # fixmap 0x80-0x8f, fixarray 0x90-0x9f
+                count = (head & 0x0F) << (head < 0x90)
+                pos += 1
+            else:
+                width = _LENGTH_WIDTH.get(head)
+                if width is None:
+                    return None  # 0xc1, never used
+                length = int.from_bytes(data[pos + 1 : pos + 1 + width], "big")
+                pos += 1 + width
+                if head < 0xDC:  # str, bin, ext: skip the body (and an ext's type byte)
+                    pos += length + (head in (0xC7, 0xC8, 0xC9))
+                    continue
+                count = length << (head >= 0xDE)
+            if len(stack) >= limit:
+                lefts = [*stack[1:], remaining]
+                return [
+                    (n - left - 1, is_map) for (n, is_map), left in zip(opened, lefts, strict=True)
+                ]
+            stack.append(remaining)
+            opened.append((count, head <= 0x8F or head >= 0xDE))
+            remaining = count
+    except IndexError:  # truncated
+        return None
+
+
+def _nesting_error(path: list[tuple[int, bool]]) -> SchemaError:
+    """The error for a payload nested too deep at ``path`` (from :func:`_too_deep`): inside an
+    event when the batch and its events are arrays and the path goes through the events."""
+    text = f"nesting deeper than {MAX_NESTING} levels"
+    if len(path) >= 2 and path[0] == (1, False) and not path[1][1]:
+        return SchemaError(f"event {path[1][0]}: {text}", event_index=path[1][0])
+    return SchemaError(f"batch: {text}")
+
+
 def _decode_event(index: int, raw: msgspec.Raw) -> tuple[Event, int]:
+    """Decode one event of the event-by-event path."""
+    try:
+        return _decode_wire_event(index, raw)
+    except msgspec.DecodeError as error:  # invalid UTF-8 in a string the batch skipped, say
+        raise SchemaError(
+            f"event {index}: malformed msgpack: {error}", event_index=index
+        ) from error
+
+
+def _decode_wire_event(index: int, raw: msgspec.Raw) -> tuple[Event, int]:
     array = _is_array(raw)
     if array and (overflow := _array_overflow(raw)):
         trimmed = _GENERIC.decode(raw)[: -overflow or None]
@@ -374,8 +521,6 @@ def _decode_event(index: int, raw: msgspec.Raw) -> tuple[Event, int]:
         if not unknown:  # the strict decoder failed for another reason than extra fields
             raise _field_error(index, raw, strict_error) from strict_error
         return event, unknown
-    except msgspec.DecodeError as error:
-        raise SchemaError(f"event {index}: {error}", event_index=index) from error
 
 
 def _check(index: int, event: Event) -> None:
@@ -389,20 +534,43 @@ def _check(index: int, event: Event) -> None:
 
 
 def decode_batch(payload: bytes | memoryview) -> VllmBatch:
-    """Decode the msgpack payload (frame 2) of any vLLM release that publishes KV events."""
+    """Decode the msgpack payload (frame 2) of any vLLM release that publishes KV events.
+
+    Raises:
+        SchemaError: for any payload that is not a valid batch of a known layout (and nothing
+            else for any payload).
+    """
     if not payload:
         raise SchemaError("batch: empty payload")
     for decoder in _FAST_BATCHES:
         try:
             fast: Any = decoder.decode(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            # RecursionError: msgspec skipping a deep field before a map event's tag, or
+            # decoding deep extra keys; the event-by-event path rejects the nesting first.
             continue
         return VllmBatch(fast.ts, fast.events, fast.data_parallel_rank)
     return _decode_batch_by_event(payload)
 
 
+_BATCH_FIELDS: Final = {"$[0]": "ts", "$[1]": "events", "$[2]": "data_parallel_rank"}
+_BOUND = re.compile(r"^Expected `int` [<>]=? -?\d+$")
+
+
+def _batch_error(error: msgspec.ValidationError) -> SchemaError:
+    """msgspec's error about the batch itself. A value out of its range names its field, as
+    event errors do; other errors keep msgspec's wording and path (``- at `$[2]```)."""
+    text, _, path = str(error).partition(" - at `")
+    field = _BATCH_FIELDS.get(path.rstrip("`"))
+    if field is not None and _BOUND.match(text):
+        return SchemaError(f"batch: field {field!r}: {text}", field=field)
+    return SchemaError(f"batch: {error}")
+
+
 def _decode_batch_by_event(payload: bytes | memoryview) -> VllmBatch:
     """Decode event by event: array events, unknown fields, and precise errors."""
+    if (path := _too_deep(payload, MAX_NESTING)) is not None:
+        raise _nesting_error(path)
     try:
         try:
             wire: _WireBatch = _BATCH.decode(payload)
@@ -414,7 +582,7 @@ def _decode_batch_by_event(payload: bytes | memoryview) -> VllmBatch:
             if unknown <= 0:
                 raise strict_error from None
     except msgspec.ValidationError as error:
-        raise SchemaError(f"batch: {error}") from error
+        raise _batch_error(error) from error
     except msgspec.DecodeError as error:
         raise SchemaError(f"batch: malformed msgpack: {error}") from error
     events: list[Event] = []
