@@ -15,8 +15,16 @@ class Output:
 class Normalizer:
     unknown_fields: int
     def __init__(
-        self, worker_id: int, block_size: int, retain_evicted: int, main_kinds: list[str]
+        self,
+        worker_id: int,
+        block_size: int,
+        retain_evicted: int,
+        main_kinds: list[str],
+        max_ranks: int,
+        max_blocks: int,
+        max_contexts: int,
     ) -> None: ...
+    def evictions(self) -> tuple[int, int, int]: ...
     def normalize(
         self, payload: bytes, seq: int | None = None, reset_first: bool = False
     ) -> Output: ...

@@ -53,6 +53,9 @@ class DropReason:
     """A removal of a block an ``AllBlocksCleared`` already took off every tier. vLLM's reset
     keeps its CPU pool, so the CPU tier goes on evicting blocks kvbridge has cleared: expected,
     and nothing is lost."""
+    STATE_CAP: Final = "state_cap"
+    """A store that would need one more (LoRA name, cache salt) pair than ``max_contexts``
+    while every pair is in use."""
     UNKNOWN_FIELD: Final = "unknown_field"
     """Not a drop: unknown trailing positions or map keys the decoder ignored."""
 
@@ -64,6 +67,13 @@ class Normalizer:
     other size are dropped. ``retain_evicted`` bounds how many blocks that left every tier are
     remembered per rank, so that a CPU placeholder or a child published after its GPU block was
     evicted can still be resolved.
+
+    The state is capped whatever the input, and what a cap gives up is made consistent
+    downstream and counted (:attr:`evictions`): past ``max_ranks`` dp ranks the least recently
+    written rank is forgotten and cleared; past ``max_blocks`` live blocks (over every rank)
+    the oldest blocks of the rank being written are evicted and removed; past
+    ``max_contexts`` (LoRA name, cache salt) pairs the unused pairs are forgotten, and a store
+    that needs one more is dropped (``state_cap``).
     """
 
     def __init__(
@@ -73,6 +83,9 @@ class Normalizer:
         *,
         retain_evicted: int = 100_000,
         main_kinds: Iterable[str] = MAIN_ATTENTION_KINDS,
+        max_ranks: int = 1024,
+        max_blocks: int = 4_000_000,
+        max_contexts: int = 65_536,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -80,12 +93,26 @@ class Normalizer:
             raise ValueError(f"worker_id must be a u64, got {worker_id}")
         if retain_evicted < 0:
             raise ValueError(f"retain_evicted must not be negative, got {retain_evicted}")
+        caps = (
+            ("max_ranks", max_ranks),
+            ("max_blocks", max_blocks),
+            ("max_contexts", max_contexts),
+        )
+        for name, cap in caps:
+            if cap < 1:
+                raise ValueError(f"{name} must be positive, got {cap}")
         self.worker_id = worker_id
         self.block_size = block_size
         self.retain_evicted = retain_evicted
         self.main_kinds = frozenset(main_kinds)
         self._core = _core.Normalizer(
-            worker_id, block_size, retain_evicted, sorted(self.main_kinds)
+            worker_id,
+            block_size,
+            retain_evicted,
+            sorted(self.main_kinds),
+            max_ranks,
+            max_blocks,
+            max_contexts,
         )
         self._log = structlog.get_logger("kvbridge.normalizer").bind(worker_id=worker_id)
 
@@ -181,6 +208,14 @@ class Normalizer:
     def resident_blocks(self, dp_rank: int, tier: Tier) -> int:
         """How many distinct blocks are resident on one tier of one rank."""
         return self._core.resident_blocks(dp_rank, _TIERS.index(tier))
+
+    @property
+    def evictions(self) -> dict[str, int]:
+        """State given up to stay within the caps: ``ranks`` forgotten (and cleared
+        downstream), ``blocks`` evicted (and removed downstream), and ``context_compactions``
+        of the (LoRA name, cache salt) table."""
+        ranks, blocks, compactions = self._core.evictions()
+        return {"ranks": ranks, "blocks": blocks, "context_compactions": compactions}
 
     def tracked_blocks(self) -> tuple[int, int]:
         """Engine hashes the state holds, over every rank: (live, retired)."""

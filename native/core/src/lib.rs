@@ -16,5 +16,7 @@ pub mod state;
 
 pub use decode::{decode, Arena, Batch, Event, SchemaError};
 pub use media::Tier;
-pub use normalize::{Action, Counters, DropReason, FirstDrop, Normalizer, MAIN_ATTENTION_KINDS};
+pub use normalize::{
+    Action, Counters, DropReason, FirstDrop, Limits, Normalizer, MAIN_ATTENTION_KINDS,
+};
 pub use output::{Body, OutEvent, Output};

@@ -27,10 +27,11 @@ pub enum DropReason {
     StillReferenced,
     UnknownBlock,
     ClearedEarlier,
+    StateCap,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 11] = [
+    pub const ALL: [DropReason; 12] = [
         DropReason::UnknownMedium,
         DropReason::RemoteLocality,
         DropReason::UnknownLocality,
@@ -42,6 +43,7 @@ impl DropReason {
         DropReason::StillReferenced,
         DropReason::UnknownBlock,
         DropReason::ClearedEarlier,
+        DropReason::StateCap,
     ];
 
     /// The reason's name in `kvbridge.DropReason` and the metrics.
@@ -58,6 +60,7 @@ impl DropReason {
             DropReason::StillReferenced => "still_referenced",
             DropReason::UnknownBlock => "unknown_block",
             DropReason::ClearedEarlier => "cleared_earlier",
+            DropReason::StateCap => "state_cap",
         }
     }
 }
@@ -86,8 +89,37 @@ pub struct Counters {
     /// By action and tier; a clear counts once per tier.
     pub forwarded: [[u64; 4]; 3],
     /// By action (stored, removed), tier (or 4: unknown) and reason.
-    pub dropped: [[[u64; 11]; 5]; 2],
+    pub dropped: [[[u64; 12]; 5]; 2],
     pub unknown_fields: u64,
+    /// State given up to stay within the [`Limits`]: ranks forgotten (and cleared
+    /// downstream), blocks evicted (and removed downstream), context-table compactions.
+    pub evicted_ranks: u64,
+    pub evicted_blocks: u64,
+    pub context_compactions: u64,
+}
+
+/// Caps on the state one normalizer may hold, whatever its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Ranks tracked; a new rank past it forgets the least recently used one (cleared
+    /// downstream, so nothing stays stale).
+    pub max_ranks: usize,
+    /// Live blocks over every rank; past it the oldest blocks of the rank being written are
+    /// evicted (removed downstream).
+    pub max_blocks: usize,
+    /// Distinct (LoRA name, cache salt) pairs; past it the unused ones are forgotten, and a
+    /// store that would need one more is dropped (`state_cap`).
+    pub max_contexts: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_ranks: 1024,
+            max_blocks: 4_000_000,
+            max_contexts: 65_536,
+        }
+    }
 }
 
 /// A reason dropped for the first time, for the one log line it deserves.
@@ -112,8 +144,12 @@ pub struct Normalizer {
     pub worker_id: u64,
     pub block_size: usize,
     pub retain_evicted: usize,
+    pub limits: Limits,
     main_kinds: Vec<Box<str>>,
     ranks: Map<u32, Rank>,
+    /// When each rank was last written, for the rank cap.
+    rank_use: Map<u32, u64>,
+    uses: u64,
     /// The ranks in the order they were first seen, as a reset of every rank visits them.
     rank_order: Vec<u32>,
     contexts: Vec<(Context, u64)>,
@@ -135,11 +171,15 @@ impl Normalizer {
         block_size: usize,
         retain_evicted: usize,
         main_kinds: &[&str],
+        limits: Limits,
     ) -> Self {
         let mut normalizer = Normalizer {
             worker_id,
             block_size,
             retain_evicted,
+            limits,
+            rank_use: map(),
+            uses: 0,
             main_kinds: main_kinds.iter().map(|kind| Box::from(*kind)).collect(),
             ranks: map(),
             rank_order: Vec::new(),
@@ -151,8 +191,108 @@ impl Normalizer {
             logged: 0,
             first_drops: Vec::new(),
         };
-        normalizer.context(None, None);
+        let empty = Context {
+            lora_name: None,
+            cache_salt: None,
+        };
         normalizer
+            .contexts
+            .push((empty.clone(), block_seed(None, None)));
+        normalizer.context_ids.insert(empty, 0);
+        normalizer
+    }
+
+    /// Live blocks over every rank.
+    fn live_blocks(&self) -> usize {
+        self.ranks.values().map(Rank::live_count).sum()
+    }
+
+    /// Forgets the least recently written ranks until a new one fits, clearing them
+    /// downstream.
+    fn make_room_for_rank(&mut self, event_id: u64, out: &mut Output) {
+        while self.ranks.len() >= self.limits.max_ranks.max(1) {
+            let Some((&oldest, _)) = self.rank_use.iter().min_by_key(|(_, used)| **used) else {
+                break;
+            };
+            self.rank_use.remove(&oldest);
+            let mut rank = self.ranks.remove(&oldest).expect("a used rank exists");
+            self.rank_order.retain(|known| *known != oldest);
+            self.clear(&mut rank, oldest, event_id, out);
+            self.counters.evicted_ranks += 1;
+        }
+    }
+
+    /// Evicts the oldest blocks of `rank` while the normalizer holds more live blocks than
+    /// its cap, removing them downstream.
+    fn enforce_block_cap(
+        &mut self,
+        rank: &mut Rank,
+        dp_rank: u32,
+        event_id: u64,
+        out: &mut Output,
+    ) {
+        let total = self.live_blocks() + rank.live_count();
+        if total <= self.limits.max_blocks {
+            return;
+        }
+        // Evict a sixteenth of the cap at once, so that the scan for the oldest is amortized.
+        let excess = (total - self.limits.max_blocks)
+            .max(self.limits.max_blocks / 16)
+            .max(1);
+        let slots = rank.oldest_live(excess.min(rank.live_count()));
+        let mut removed: [Vec<u64>; 4] = Default::default();
+        for &slot in &slots {
+            let canonical = rank.canonical(slot);
+            for tier in Tier::ALL {
+                if rank.drop_refs(canonical, tier) {
+                    removed[tier as usize].push(canonical);
+                }
+            }
+        }
+        rank.retire(&slots, self.retain_evicted);
+        self.counters.evicted_blocks += slots.len() as u64;
+        for tier in Tier::ALL {
+            let mut gone = std::mem::take(&mut removed[tier as usize]);
+            if !gone.is_empty() {
+                self.flush_removal(dp_rank, event_id, Some(tier), &mut gone, out);
+            }
+        }
+    }
+
+    /// Forgets the contexts no live block uses (and the retired blocks that use them);
+    /// returns whether there is room for one more.
+    /// `current` is the rank being written, which is out of the map meanwhile.
+    fn compact_contexts(&mut self, current: &mut Rank) -> bool {
+        let mut used = vec![false; self.contexts.len()];
+        used[0] = true;
+        for rank in self.ranks.values() {
+            rank.contexts_in_use(&mut used);
+        }
+        current.contexts_in_use(&mut used);
+        // Retired blocks of a context that goes are forgotten with it.
+        for rank in self.ranks.values_mut() {
+            rank.forget_retired_unless(&used);
+        }
+        current.forget_retired_unless(&used);
+        let mut remap = vec![0u32; self.contexts.len()];
+        let mut kept = Vec::new();
+        for (id, context) in std::mem::take(&mut self.contexts).into_iter().enumerate() {
+            if used[id] {
+                remap[id] = kept.len() as u32;
+                kept.push(context);
+            }
+        }
+        self.contexts = kept;
+        self.context_ids = map();
+        for (id, (context, _)) in self.contexts.iter().enumerate() {
+            self.context_ids.insert(context.clone(), id as u32);
+        }
+        for rank in self.ranks.values_mut() {
+            rank.remap_contexts(&remap);
+        }
+        current.remap_contexts(&remap);
+        self.counters.context_compactions += 1;
+        self.contexts.len() < self.limits.max_contexts
     }
 
     /// The canonical events of one payload. A payload that does not decode changes nothing.
@@ -194,6 +334,7 @@ impl Normalizer {
             let mut rank = match self.ranks.remove(&rank_id) {
                 Some(rank) => {
                     self.rank_order.retain(|known| *known != rank_id);
+                    self.rank_use.remove(&rank_id);
                     rank
                 }
                 None => Rank::new(self.block_size),
@@ -241,19 +382,30 @@ impl Normalizer {
         id
     }
 
-    fn context(&mut self, lora_name: Option<&str>, cache_salt: Option<&str>) -> u32 {
+    /// The id of a (LoRA name, cache salt) pair, interned; `None` when the table is full of
+    /// pairs in use.
+    fn context(
+        &mut self,
+        current: &mut Rank,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Option<u32> {
         let key = Context {
             lora_name: lora_name.map(Arc::from),
             cache_salt: cache_salt.map(Arc::from),
         };
         if let Some(id) = self.context_ids.get(&key) {
-            return *id;
+            return Some(*id);
+        }
+        if self.contexts.len() >= self.limits.max_contexts.max(1) && !self.compact_contexts(current)
+        {
+            return None;
         }
         let id = self.contexts.len() as u32;
         self.contexts
             .push((key.clone(), block_seed(lora_name, cache_salt)));
         self.context_ids.insert(key, id);
-        id
+        Some(id)
     }
 
     fn apply(&mut self, batch: &Batch<'_>, arena: &Arena, seq: Option<u64>, out: &mut Output) {
@@ -265,10 +417,13 @@ impl Normalizer {
         let mut rank = match self.ranks.remove(&dp_rank) {
             Some(rank) => rank,
             None => {
+                self.make_room_for_rank(event_id, out);
                 self.rank_order.push(dp_rank);
                 Rank::new(self.block_size)
             }
         };
+        self.uses += 1;
+        self.rank_use.insert(dp_rank, self.uses);
         self.counters.unknown_fields += batch.unknown_fields;
         let mut gone: Vec<u64> = Vec::new();
         let mut gone_tier: Option<Tier> = None;
@@ -306,6 +461,7 @@ impl Normalizer {
         if !gone.is_empty() {
             self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, out);
         }
+        self.enforce_block_cap(&mut rank, dp_rank, event_id, out);
         self.ranks.insert(dp_rank, rank);
     }
 
@@ -462,16 +618,12 @@ impl Normalizer {
         }
         let tokens = &arena.tokens[stored.tokens.clone()];
         match self.canonical_blocks(rank, stored, hashes, tokens) {
-            Some(slots) => {
+            Ok(slots) => {
                 self.make_resident(rank, dp_rank, event_id, tier, &slots, Some(tokens), out)
             }
-            None => self.drop_blocks(
-                Action::Stored,
-                Some(tier),
-                DropReason::OrphanParent,
-                blocks,
-                stored.medium,
-            ),
+            Err(reason) => {
+                self.drop_blocks(Action::Stored, Some(tier), reason, blocks, stored.medium)
+            }
         }
     }
 
@@ -484,7 +636,7 @@ impl Normalizer {
         stored: &Stored<'_>,
         hashes: &[u64],
         tokens: &[u32],
-    ) -> Option<Vec<u32>> {
+    ) -> Result<Vec<u32>, DropReason> {
         let mut lora: Option<Arc<str>> = stored
             .lora_name
             .filter(|name| !name.is_empty())
@@ -497,7 +649,7 @@ impl Normalizer {
                 salt = cache_salt(stored).map(Arc::from);
             }
             Some(engine) => {
-                let slot = rank.lookup(engine)?;
+                let slot = rank.lookup(engine).ok_or(DropReason::OrphanParent)?;
                 let context = self.context_of(rank.context(slot)).clone();
                 parent = Some(rank.canonical(slot));
                 salt = context.cache_salt;
@@ -506,7 +658,9 @@ impl Normalizer {
                 }
             }
         }
-        let mut context = self.context(lora.as_deref(), salt.as_deref());
+        let mut context = self
+            .context(rank, lora.as_deref(), salt.as_deref())
+            .ok_or(DropReason::StateCap)?;
         let mut seed = self.contexts[context as usize].1;
         let extra = stored.extra_keys.map(block_keys).unwrap_or_default();
         let size = self.block_size;
@@ -535,7 +689,7 @@ impl Normalizer {
             parent = Some(rank.canonical(slot));
             slots.push(slot);
         }
-        Some(slots)
+        Ok(slots)
     }
 
     /// Counts one more reference on `tier` for each block, and forwards those that just became

@@ -381,6 +381,62 @@ impl Rank {
         self.resident = [0; 4];
     }
 
+    /// Takes every reference to a canonical block off `tier`; returns whether it had any.
+    pub fn drop_refs(&mut self, canonical: u64, tier: Tier) -> bool {
+        let Some(owner) = self.owner(canonical) else {
+            return false;
+        };
+        if self.count(owner, tier) == 0 {
+            return false;
+        }
+        self.set_count(owner, tier, 1);
+        self.release_ref(canonical, tier);
+        true
+    }
+
+    /// The `count` oldest live blocks, oldest first.
+    pub fn oldest_live(&self, count: usize) -> Vec<Slot> {
+        let mut live: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+            .filter(|&slot| self.is_live(slot))
+            .map(|slot| (self.order[slot as usize], slot))
+            .collect();
+        if count < live.len() {
+            live.select_nth_unstable(count);
+            live.truncate(count);
+        }
+        live.sort_unstable();
+        live.into_iter().map(|(_, slot)| slot).collect()
+    }
+
+    /// The contexts the rank's live blocks use.
+    pub fn contexts_in_use(&self, used: &mut [bool]) {
+        for &meta in &self.meta {
+            if meta & LIVE != 0 {
+                used[(meta & CONTEXT_MASK) as usize] = true;
+            }
+        }
+    }
+
+    /// Forgets the retired blocks whose context is not `used` (the context is going away).
+    pub fn forget_retired_unless(&mut self, used: &[bool]) {
+        for slot in 0..self.meta.len() as Slot {
+            let meta = self.meta[slot as usize];
+            if meta & RETIRED != 0 && !used[(meta & CONTEXT_MASK) as usize] {
+                self.forget(slot);
+            }
+        }
+    }
+
+    /// Renames the blocks' contexts after the context table was compacted.
+    pub fn remap_contexts(&mut self, remap: &[u32]) {
+        for meta in &mut self.meta {
+            if *meta & (LIVE | RETIRED) != 0 {
+                let context = remap[(*meta & CONTEXT_MASK) as usize];
+                *meta = (*meta & !CONTEXT_MASK) | context;
+            }
+        }
+    }
+
     // -- retiring -----------------------------------------------------------------------------
 
     /// Moves live blocks to the retired ones, then forgets the oldest retired past `retain`.

@@ -7,7 +7,7 @@
 use kvbridge_core::decode::{Arena, Event};
 use kvbridge_core::layout;
 use kvbridge_core::msgpack::MAX_DEPTH;
-use kvbridge_core::{decode, Action, DropReason, Normalizer, Output, SchemaError, Tier};
+use kvbridge_core::{decode, Action, DropReason, Limits, Normalizer, Output, SchemaError, Tier};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -40,19 +40,33 @@ struct PyNormalizer {
 #[pymethods]
 impl PyNormalizer {
     #[new]
-    #[pyo3(signature = (worker_id, block_size, retain_evicted, main_kinds))]
+    #[pyo3(signature = (worker_id, block_size, retain_evicted, main_kinds, max_ranks, max_blocks, max_contexts))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         worker_id: u64,
         block_size: usize,
         retain_evicted: usize,
         main_kinds: Vec<String>,
+        max_ranks: usize,
+        max_blocks: usize,
+        max_contexts: usize,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
         }
         let kinds: Vec<&str> = main_kinds.iter().map(String::as_str).collect();
         Ok(PyNormalizer {
-            inner: Normalizer::new(worker_id, block_size, retain_evicted, &kinds),
+            inner: Normalizer::new(
+                worker_id,
+                block_size,
+                retain_evicted,
+                &kinds,
+                Limits {
+                    max_ranks,
+                    max_blocks,
+                    max_contexts,
+                },
+            ),
         })
     }
 
@@ -87,6 +101,17 @@ impl PyNormalizer {
     #[getter]
     fn unknown_fields(&self) -> u64 {
         self.inner.counters.unknown_fields
+    }
+
+    /// State given up to stay within the limits: (ranks forgotten, blocks evicted, context
+    /// table compactions).
+    fn evictions(&self) -> (u64, u64, u64) {
+        let counters = &self.inner.counters;
+        (
+            counters.evicted_ranks,
+            counters.evicted_blocks,
+            counters.context_compactions,
+        )
     }
 
     /// Blocks forwarded: (action, tier index, count), non-zero entries only.
