@@ -1,8 +1,22 @@
-"""kvbridge: vLLM KV-cache events, every release and tier, made right for NVIDIA Dynamo."""
+"""kvbridge: vLLM KV-cache events, every release and tier, made right for NVIDIA Dynamo.
 
-from kvbridge.adapters.dynamo import Overlap, TieredIndex
-from kvbridge.normalizers import DropReason, Normalizer
-from kvbridge.schemas import SchemaError, Tier, TieredEvent, VllmBatch, decode_batch
+The names below are imported on first use, so that ``import kvbridge`` stays light: Dynamo's
+binary (``kvbridge.TieredIndex``), structlog, msgspec's decoders and even ``typing`` load only
+when a name that needs them is first read.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TYPE_CHECKING = False
+"""True for type checkers only (as ``typing.TYPE_CHECKING``, without importing ``typing``)."""
+if TYPE_CHECKING:
+    from typing import Final
+
+    from kvbridge.adapters.dynamo import TieredIndex
+    from kvbridge.normalizers import DropReason, Normalizer
+    from kvbridge.schemas import Overlap, SchemaError, Tier, TieredEvent, VllmBatch, decode_batch
 
 __all__ = [
     "DropReason",
@@ -16,3 +30,36 @@ __all__ = [
     "decode_batch",
 ]
 __version__ = "0.1.0"
+
+_MODULE_OF: Final = {
+    "DropReason": "kvbridge.normalizers",
+    "Normalizer": "kvbridge.normalizers",
+    "Overlap": "kvbridge.schemas",
+    "SchemaError": "kvbridge.schemas",
+    "Tier": "kvbridge.schemas",
+    "TieredEvent": "kvbridge.schemas",
+    "TieredIndex": "kvbridge.adapters.dynamo",
+    "VllmBatch": "kvbridge.schemas",
+    "decode_batch": "kvbridge.schemas",
+}
+"""Where each public name lives."""
+
+
+def _import_public_name(name: str) -> object:
+    """Import a public name from its module and keep it here, so it is looked up once."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which read the imports above: with a visible module
+    # ``__getattr__`` they would accept any attribute of ``kvbridge``, misspelt ones included.
+    __getattr__ = _import_public_name

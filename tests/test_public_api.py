@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
@@ -75,3 +79,43 @@ def test_a_malformed_payload_leaves_the_index_unchanged(kind: str, message: str)
     assert str(raised.value) == message
     assert (index.dump(), index.overlap(TOKENS), normalizer.stats) == before
     assert index.overlap(TOKENS) == {(1, 0): Overlap(4, 4, 4)}
+
+
+_LIGHT_IMPORT = """
+import json, sys
+import kvbridge
+loaded = sorted(m for m in ("dynamo", "ray", "zmq", "structlog", "typing") if m in sys.modules)
+names = sorted(set(kvbridge.__all__) - set(dir(kvbridge)))
+index = kvbridge.TieredIndex(block_size=4)
+print(json.dumps({"loaded": loaded, "missing_from_dir": names,
+                  "index": type(index).__module__, "dynamo_after": "dynamo" in sys.modules}))
+"""
+
+
+def test_import_kvbridge_is_light() -> None:
+    """``import kvbridge`` loads none of Dynamo's binary, Ray or ZMQ; the names still resolve,
+    on first use."""
+    result = subprocess.run(
+        [sys.executable, "-c", _LIGHT_IMPORT], capture_output=True, text=True, check=True
+    )
+    report = json.loads(result.stdout)
+    assert report == {
+        "loaded": [],
+        "missing_from_dir": [],
+        "index": "kvbridge.adapters.dynamo",
+        "dynamo_after": True,
+    }
+
+
+def test_lazy_names_are_the_modules_own() -> None:
+    import kvbridge.adapters.dynamo
+    import kvbridge.schemas
+
+    assert kvbridge.Overlap is kvbridge.schemas.Overlap is kvbridge.adapters.dynamo.Overlap
+    assert kvbridge.Overlap.__module__ == "kvbridge.schemas.overlap"
+    assert kvbridge.TieredIndex is kvbridge.adapters.dynamo.TieredIndex
+    assert kvbridge.decode_batch is kvbridge.schemas.decode_batch
+    for name in kvbridge.__all__:
+        assert getattr(kvbridge, name) is not None
+    with pytest.raises(AttributeError, match="has no attribute 'Typo'"):
+        kvbridge.Typo  # type: ignore[attr-defined]  # noqa: B018

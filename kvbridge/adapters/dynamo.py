@@ -21,6 +21,7 @@ from dynamo.llm import RadixTree
 
 from kvbridge.normalizers.hashing import tokens_hashes
 from kvbridge.schemas.dynamo import EventData, KvCacheEvent, RemovedData, StoredBlock, StoredData
+from kvbridge.schemas.overlap import Overlap  # re-exported: it used to live here
 from kvbridge.schemas.tiers import Tier, TieredEvent
 
 __all__ = ["LEVELS", "Overlap", "TieredIndex"]
@@ -35,17 +36,6 @@ _LEVEL_MASK: Final = tuple(
     for level in range(len(LEVELS))
 )
 _encode = msgspec.json.encode
-
-
-class Overlap(msgspec.Struct, frozen=True):
-    """Leading full blocks of a prompt resident on a worker, cumulatively by tier."""
-
-    device: int = 0
-    """On the GPU."""
-    host_pinned: int = 0
-    """On the GPU or in host memory."""
-    disk: int = 0
-    """On any tier (disk and external storage included)."""
 
 
 class _Node:

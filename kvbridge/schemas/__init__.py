@@ -1,7 +1,9 @@
-"""Typed wire formats: vLLM's KV events (every release), Dynamo's KvCacheEvent, kvbridge's tiers."""
+"""Typed wire formats and values: vLLM's KV events (every release), Dynamo's KvCacheEvent,
+kvbridge's tiers and overlaps."""
 
 from kvbridge.schemas.dynamo import KvCacheEvent
 from kvbridge.schemas.errors import SchemaError
+from kvbridge.schemas.overlap import Overlap
 from kvbridge.schemas.tiers import Tier, TieredEvent
 from kvbridge.schemas.vllm import (
     LAYOUTS,
@@ -24,6 +26,7 @@ __all__ = [
     "Event",
     "KvCacheEvent",
     "Layout",
+    "Overlap",
     "SchemaError",
     "Tier",
     "TieredEvent",
