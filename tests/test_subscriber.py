@@ -240,19 +240,24 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
         "lost": 4,
     }
     # Nothing stale: A, removed in lost batches, is gone, and so is everything else stored
-    # before the loss; the index is the one the batches after the loss point build alone.
-    after_loss = index_of(payloads[6:], worker_id=1, block_size=BS)
+    # before the loss, except what the engine showed it still holds: batch 7 stores C's child
+    # under C's last block, so C is announced again with it. The index is the one the batches
+    # after the loss point build, with C's chain stored together with its child.
+    c_again = [stored(chain(g, BS), g), stored([*hc, *hcc[-1:]], c_child)]
+    after_loss = index_of(
+        [payloads[6], vllm_batch(c_again, 7), payloads[8]], worker_id=1, block_size=BS
+    )
     assert_same_index(index, after_loss, prompts)
     assert overlaps(index, prompts) == [
         {},
         {},
-        {},
+        {(1, 0): (2, 2, 2)},  # C, re-learned from its child
         {},
         {},
         {(1, 0): (1, 1, 1)},  # F: its last block was removed in batch 8
         {(1, 0): (3, 3, 3)},
         {(1, 0): (1, 1, 1)},
-        {},  # C's child: its parent was cleared with the rest, so it is an orphan
+        {(1, 0): (3, 3, 3)},  # C's child, with C re-learned from it
     ]
 
 

@@ -224,8 +224,11 @@ class StreamPipeline:
             lost_batches=reset.lost_batches,
         )
         now = time.time()
+        # Batches lost for good leave the engine's blocks unknown downstream, not different:
+        # the identities are kept, so the next store on a known chain re-announces it.
+        lost = reset.reason == "lost"
         for rank in sorted(ranks):
-            self._emit(source, worker.normalizer.process_reset(rank), now)
+            self._emit(source, worker.normalizer.process_reset(rank, keep_identities=lost), now)
 
     def _emit(self, source: Source, batch: NormalizedBatch, ts: float) -> None:
         if not batch:

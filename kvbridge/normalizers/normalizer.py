@@ -169,9 +169,28 @@ class Normalizer:
         """
         return self.process_reset(dp_rank).events
 
-    def process_reset(self, dp_rank: int | None = None) -> NormalizedBatch:
-        """:meth:`reset` for pipelines."""
-        return NormalizedBatch(self._core.reset(dp_rank))
+    def process_reset(
+        self, dp_rank: int | None = None, *, keep_identities: bool = False
+    ) -> NormalizedBatch:
+        """:meth:`reset` for pipelines.
+
+        ``keep_identities`` is for batches lost for good: the rank is cleared downstream as
+        usual, but what its engine hashes stand for is kept (a block's canonical identity is a
+        function of its content, so it survives the loss). A later store whose parent chain
+        is known that way shows that the engine holds the chain, and the chain is announced
+        again with it (:attr:`reanchored_blocks`), so that the hottest prefixes are re-learned
+        on their next use rather than when vLLM happens to recompute them.
+        """
+        if not keep_identities:
+            return NormalizedBatch(self._core.reset(dp_rank))
+        if dp_rank is None:
+            raise ValueError("keep_identities resets one rank: give its dp_rank")
+        return NormalizedBatch(self._core.reset_lost(dp_rank))
+
+    @property
+    def reanchored_blocks(self) -> int:
+        """Blocks announced again after a loss because a store named them as its ancestors."""
+        return self._core.reanchored_blocks
 
     @property
     def forwarded(self) -> Counter[tuple[str, Tier]]:

@@ -96,6 +96,8 @@ pub struct Counters {
     pub evicted_ranks: u64,
     pub evicted_blocks: u64,
     pub context_compactions: u64,
+    /// Blocks announced again after a loss because a store named them as its ancestors.
+    pub reanchored_blocks: u64,
 }
 
 /// Caps on the state one normalizer may hold, whatever its input.
@@ -341,6 +343,29 @@ impl Normalizer {
             };
             self.clear(&mut rank, rank_id, event_id, &mut out);
         }
+        out
+    }
+
+    /// Clears a rank downstream after batches were lost for good, but keeps what its engine
+    /// hashes stand for: an engine hash's canonical identity is a function of content, so it
+    /// stays valid across the loss. A later store whose parent chain is known this way shows
+    /// that the engine holds that chain, and the chain is announced again with it.
+    pub fn reset_lost(&mut self, dp_rank: u32) -> Output {
+        let event_id = self.next_id();
+        let mut out = Output::default();
+        let mut rank = match self.ranks.remove(&dp_rank) {
+            Some(rank) => rank,
+            None => {
+                self.make_room_for_rank(event_id, &mut out);
+                self.rank_order.push(dp_rank);
+                Rank::new(self.block_size)
+            }
+        };
+        self.uses += 1;
+        self.rank_use.insert(dp_rank, self.uses);
+        self.clear(&mut rank, dp_rank, event_id, &mut out);
+        rank.set_anchors();
+        self.ranks.insert(dp_rank, rank);
         out
     }
 
@@ -617,9 +642,10 @@ impl Normalizer {
             return;
         }
         let tokens = &arena.tokens[stored.tokens.clone()];
-        match self.canonical_blocks(rank, stored, hashes, tokens) {
-            Ok(slots) => {
-                self.make_resident(rank, dp_rank, event_id, tier, &slots, Some(tokens), out)
+        match self.canonical_blocks(rank, tier, stored, hashes, tokens) {
+            Ok((slots, anchored)) => {
+                let tokens = (!anchored).then_some(tokens);
+                self.make_resident(rank, dp_rank, event_id, tier, &slots, tokens, out)
             }
             Err(reason) => {
                 self.drop_blocks(Action::Stored, Some(tier), reason, blocks, stored.medium)
@@ -630,13 +656,17 @@ impl Normalizer {
     /// Hashes the event's new blocks canonically and remembers them by engine hash. A block
     /// whose engine hash is known keeps its canonical identity: an offload tier's copy carries
     /// no extra keys (no salt, no multimodal hashes), so hashing it again would mis-hash it.
+    ///
+    /// Returns the blocks, preceded (`true`) by the ancestors a loss made unknown downstream
+    /// when the store re-anchors them.
     fn canonical_blocks(
         &mut self,
         rank: &mut Rank,
+        tier: Tier,
         stored: &Stored<'_>,
         hashes: &[u64],
         tokens: &[u32],
-    ) -> Result<Vec<u32>, DropReason> {
+    ) -> Result<(Vec<u32>, bool), DropReason> {
         let mut lora: Option<Arc<str>> = stored
             .lora_name
             .filter(|name| !name.is_empty())
@@ -667,6 +697,11 @@ impl Normalizer {
         let mut scratch = Vec::with_capacity(size * 4 + 64);
         let mut mm = Vec::new();
         let mut slots = Vec::with_capacity(hashes.len());
+        let mut anchored = false;
+        if let Some(parent) = parent.filter(|_| rank.anchoring()) {
+            slots = self.ancestors_to_anchor(rank, tier, parent);
+            anchored = !slots.is_empty();
+        }
         for (index, &key) in hashes.iter().enumerate() {
             let slot = match rank.revive(key) {
                 Some(slot) => {
@@ -689,7 +724,34 @@ impl Normalizer {
             parent = Some(rank.canonical(slot));
             slots.push(slot);
         }
-        Ok(slots)
+        Ok((slots, anchored))
+    }
+
+    /// The chain of anchors that ends at `parent`, root first, up to the first block already
+    /// resident on `tier` or a root; empty if the chain reaches a block nobody knows (then the
+    /// store goes out as before, and Dynamo's index decides).
+    fn ancestors_to_anchor(&mut self, rank: &mut Rank, tier: Tier, parent: u64) -> Vec<u32> {
+        let mut chain = Vec::new();
+        let mut next = Some(parent);
+        while let Some(canonical) = next {
+            if rank.refs_of(canonical, tier) > 0 {
+                break;
+            }
+            let Some(slot) = rank.anchor(canonical) else {
+                if chain.is_empty() {
+                    return chain;
+                }
+                break; // the rest of the chain is not ours to announce
+            };
+            chain.push(slot);
+            next = rank.parent(slot);
+        }
+        chain.reverse();
+        for &slot in &chain {
+            rank.revive_slot(slot);
+        }
+        self.counters.reanchored_blocks += chain.len() as u64;
+        chain
     }
 
     /// Counts one more reference on `tier` for each block, and forwards those that just became

@@ -137,6 +137,9 @@ pub struct Rank {
     pub group_kinds: Map<u32, Box<str>>,
     /// Engine hashes that were live when the rank was last cleared.
     pub cleared: Set<u64>,
+    /// After a loss: the blocks the rank held, by canonical hash, whose residency is unknown.
+    /// A store whose parent is one of them shows that the engine still holds that chain.
+    anchors: Map<u64, Slot>,
 }
 
 impl Rank {
@@ -160,6 +163,7 @@ impl Rank {
             next_order: 0,
             group_kinds: map(),
             cleared: set(),
+            anchors: map(),
         }
     }
 
@@ -435,6 +439,38 @@ impl Rank {
                 *meta = (*meta & !CONTEXT_MASK) | context;
             }
         }
+    }
+
+    // -- anchors after a loss -------------------------------------------------------------
+
+    /// Remembers every tracked block as an anchor (see [`Rank::anchor`]).
+    pub fn set_anchors(&mut self) {
+        self.anchors.clear();
+        for slot in 0..self.meta.len() as Slot {
+            if self.meta[slot as usize] & (LIVE | RETIRED) != 0 {
+                let canonical = self.canonical(slot);
+                self.anchors.insert(canonical, slot);
+            }
+        }
+    }
+
+    /// Whether the rank still has anchors from a loss.
+    pub fn anchoring(&self) -> bool {
+        !self.anchors.is_empty()
+    }
+
+    /// Takes the anchor of a canonical block: the slot that held it before the loss, if it is
+    /// still tracked.
+    pub fn anchor(&mut self, canonical: u64) -> Option<Slot> {
+        let slot = self.anchors.remove(&canonical)?;
+        let tracked = self.meta[slot as usize] & (LIVE | RETIRED) != 0;
+        (tracked && self.canonical(slot) == canonical).then_some(slot)
+    }
+
+    /// Revives a slot taken as an anchor (a no-op for a live one).
+    pub fn revive_slot(&mut self, slot: Slot) {
+        let engine = self.engine[slot as usize];
+        self.revive(engine);
     }
 
     // -- retiring -----------------------------------------------------------------------------

@@ -93,6 +93,19 @@ impl PyNormalizer {
         self.wrap(output)
     }
 
+    /// Clears one rank downstream after a loss, keeping its blocks' identities (see
+    /// `Normalizer::reset_lost`).
+    fn reset_lost(&mut self, dp_rank: u32) -> PyOutput {
+        let output = self.inner.reset_lost(dp_rank);
+        self.wrap(output)
+    }
+
+    /// Blocks announced again after a loss, because stores named them as ancestors.
+    #[getter]
+    fn reanchored_blocks(&self) -> u64 {
+        self.inner.counters.reanchored_blocks
+    }
+
     /// Adds unknown fields a caller's own decoder counted.
     fn add_unknown_fields(&mut self, count: u64) {
         self.inner.counters.unknown_fields += count;
