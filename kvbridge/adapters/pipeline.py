@@ -39,6 +39,7 @@ import structlog
 
 from kvbridge.adapters.capture import FrameRecord
 from kvbridge.adapters.dynamo import TieredIndex
+from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.zmq import Message, Source, StreamReset
 from kvbridge.normalizers import Normalizer
@@ -149,6 +150,8 @@ class StreamPipeline:
         self.source_sinks: dict[Source, list[EventSink]] = {}
         self.workers: dict[int, WorkerState] = {}
         self.stats: Counter[str] = Counter() if stats is None else stats
+        self._warn = LogLimiter(log.warning)
+        """Per-frame warnings, limited per stream and reason (the stats count every frame)."""
 
     def worker(self, worker_id: int) -> WorkerState:
         """The state of ``worker_id``, created with a fresh normalizer on first use."""
@@ -192,8 +195,9 @@ class StreamPipeline:
             normalized = worker.normalizer.process(batch, seq, reset_first=uncleared)
         except SchemaError as error:
             self.stats["bad_frame:schema"] += 1
-            log.warning(
+            self._warn(
                 "bad frame skipped",
+                (source.endpoint, "schema"),
                 stream=source.endpoint,
                 seq=seq,
                 reason="schema",
@@ -216,8 +220,9 @@ class StreamPipeline:
         ranks = worker.ranks.pop(source, set())
         if not ranks:
             worker.uncleared.add(source)
-        log.warning(
+        self._warn(
             "worker cleared",
+            (source.endpoint, reset.reason),
             worker_id=source.worker_id,
             stream=source.endpoint,
             reason=reset.reason,
