@@ -22,10 +22,12 @@ Frames are stored exactly as received, so a malformed message is captured as it 
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, Literal, Self
@@ -40,7 +42,10 @@ __all__ = [
     "CaptureReader",
     "CaptureWriter",
     "FrameRecord",
+    "StreamReplay",
+    "capture_streams",
     "replay_capture",
+    "replay_streams",
 ]
 
 MAGIC: Final = b"KVCAP\x01\n"
@@ -165,6 +170,78 @@ class CaptureReader:
                 raise CaptureError(f"{self.path}: record {index}: {error}") from error
 
 
+def capture_streams(records: Iterable[FrameRecord]) -> dict[str, list[FrameRecord]]:
+    """The records of each recorded stream, by stream, in order of first appearance. A record
+    recovered through a replay socket (stream ``replay:<endpoint>``) goes with its live stream,
+    where it was received."""
+    streams: dict[str, list[FrameRecord]] = {}
+    for record in records:
+        streams.setdefault(record.stream.removeprefix("replay:"), []).append(record)
+    return streams
+
+
+class StreamReplay(msgspec.Struct):
+    """What :func:`replay_streams` did with one stream."""
+
+    endpoint: str
+    """The endpoint it was published on, as given."""
+    sent: int = 0
+    subscribed: bool = False
+    """Whether a subscriber was connected before the first message went out."""
+
+
+def replay_streams(
+    streams: Sequence[tuple[str, Sequence[FrameRecord]]],
+    *,
+    bind: bool | None = None,
+    pace: Literal["original", "max"] = "original",
+    wait_subscribers: float = 5.0,
+    stop: threading.Event | None = None,
+) -> list[StreamReplay]:
+    """Publish each stream's frames on a PUB socket of its own, byte for byte.
+
+    ``streams`` are ``(endpoint, records)`` pairs. Each endpoint follows vLLM's bind/connect rule
+    unless ``bind`` says otherwise, so a subscriber configured for the recorded engine works
+    unchanged. The messages of all streams go out in the order of their receive times (each
+    stream's own order kept): ``pace="original"`` keeps the recorded gaps between them, ``"max"``
+    sends as fast as the sockets take them. Waits up to ``wait_subscribers`` seconds in all for a
+    first subscriber on every socket, since a PUB socket drops what it sends before anyone
+    listens.
+    """
+    results = [StreamReplay(endpoint) for endpoint, _ in streams]
+    with contextlib.ExitStack() as sockets:
+        publishers = [
+            sockets.enter_context(Publisher(endpoint, bind=bind)) for endpoint, _ in streams
+        ]
+        deadline = time.monotonic() + wait_subscribers
+        for publisher, result in zip(publishers, results, strict=True):
+            remaining = max(0.0, deadline - time.monotonic())
+            result.subscribed = wait_subscribers > 0 and publisher.wait_for_subscribers(
+                timeout=remaining
+            )
+        tagged = [_tagged(index, records) for index, (_, records) in enumerate(streams)]
+        ordered = heapq.merge(*tagged, key=lambda item: item[0])
+        start = time.monotonic()
+        first_ns = min((records[0].received_ns for _, records in streams if records), default=0)
+        for received_ns, index, record in ordered:
+            if stop is not None and stop.is_set():
+                break
+            if pace == "original":
+                delay = (received_ns - first_ns) / 1e9 - (time.monotonic() - start)
+                if delay > 0 and stop is not None:
+                    stop.wait(delay)
+                elif delay > 0:
+                    time.sleep(delay)
+            publishers[index].send_frames(record.frames)
+            results[index].sent += 1
+        time.sleep(0.1)  # let ZMQ flush before the sockets close (linger is 0)
+    return results
+
+
+def _tagged(index: int, records: Iterable[FrameRecord]) -> Iterator[tuple[int, int, FrameRecord]]:
+    return ((record.received_ns, index, record) for record in records)
+
+
 def replay_capture(
     records: Sequence[FrameRecord],
     endpoint: str,
@@ -172,16 +249,17 @@ def replay_capture(
     pace: Literal["original", "max"] = "original",
     wait_subscribers: float = 5.0,
     stop: threading.Event | None = None,
+    bind: bool | None = None,
 ) -> int:
-    """Publish the captured frames on a PUB socket, byte for byte, in capture order.
+    """Publish the captured frames on one PUB socket, byte for byte, in capture order (every
+    stream merged: see :func:`replay_streams` to keep them apart).
 
-    ``endpoint`` follows vLLM's bind/connect rule, so a subscriber configured for the recorded
-    engine works unchanged. ``pace="original"`` keeps the recorded gaps between messages;
-    ``"max"`` sends as fast as the socket takes them. Waits up to ``wait_subscribers`` seconds
-    for a first subscriber, since a PUB socket drops what it sends before anyone listens.
-    Returns the number of messages sent.
+    ``endpoint`` follows vLLM's bind/connect rule unless ``bind`` says otherwise.
+    ``pace="original"`` keeps the recorded gaps between messages; ``"max"`` sends as fast as the
+    socket takes them. Waits up to ``wait_subscribers`` seconds for a first subscriber, since a
+    PUB socket drops what it sends before anyone listens. Returns the number of messages sent.
     """
-    with Publisher(endpoint) as publisher:
+    with Publisher(endpoint, bind=bind) as publisher:
         if wait_subscribers > 0:
             publisher.wait_for_subscribers(timeout=wait_subscribers)
         start = time.monotonic()

@@ -7,6 +7,13 @@ not know yet) and blocks the normalizer would not forward. Each problem names th
 record, the stream, the sequence number and, where it lies inside an event, the event index and
 the field.
 
+A run can also fail on what is *not* there, so that a CI recording that caught nothing, or not
+what it was meant to exercise, does not pass: a capture without frames (unless ``allow_empty``),
+fewer frames than ``min_frames`` over all captures, or no event with a medium of
+``require_media`` (``CPU``, ``DISK``... matched without regard to case; an event without a medium
+is ``GPU``) in any capture. Each such requirement left unmet is one line of
+:attr:`Report.unmet`.
+
 The JSON report is a :class:`Report`; ``kvbridge validate --json-schema`` prints its schema.
 """
 
@@ -23,7 +30,7 @@ from msgspec.structs import replace
 from kvbridge.adapters.capture import CaptureReader, FrameRecord
 from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.normalizers import DropReason
-from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
+from kvbridge.schemas import BlockRemoved, BlockStored, SchemaError, VllmBatch, decode_batch
 
 __all__ = ["Problem", "Report", "render_text", "validate_captures"]
 
@@ -67,6 +74,10 @@ class Report(msgspec.Struct):
     dropped: dict[str, int]
     """Blocks not forwarded, by reason, over all frames (reported whether strict or not)."""
     unknown_fields: int
+    media: dict[str, int] = {}
+    """Events (stores and removals) by medium, upper-cased; an event without one is ``GPU``."""
+    unmet: list[str] = []
+    """Requirements the captures do not meet (no frames, too few frames, a missing medium)."""
 
 
 class _Stream:
@@ -116,11 +127,22 @@ def _check_frames(record: FrameRecord) -> tuple[str, str] | None:
 
 
 def validate_captures(
-    paths: Iterable[str | Path], *, strict: bool = False, block_size: int | None = None
+    paths: Iterable[str | Path],
+    *,
+    strict: bool = False,
+    block_size: int | None = None,
+    allow_empty: bool = False,
+    min_frames: int = 0,
+    require_media: Iterable[str] = (),
 ) -> Report:
     """Validate captures. Without ``block_size`` each worker's is taken from the capture's
-    ``meta["block_size"]`` or from its first store with tokens."""
+    ``meta["block_size"]`` or from its first store with tokens.
+
+    A capture without frames fails unless ``allow_empty``; fewer than ``min_frames`` frames over
+    all captures fail, and so does a medium of ``require_media`` that no event has."""
     problems: list[Problem] = []
+    unmet: list[str] = []
+    media: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     frames = events = unknown = 0
     invalid: set[tuple[str, int]] = set()
@@ -131,6 +153,7 @@ def validate_captures(
         names.append(name)
         size = block_size or reader.meta.get("block_size")
         streams: dict[int, _Stream] = {}
+        first_frame = frames
         for index, record in enumerate(reader):
             frames += 1
             stream = streams.setdefault(record.worker_id, _Stream(record.worker_id, size))
@@ -156,6 +179,9 @@ def validate_captures(
                 continue
             events += len(batch.events)
             unknown += batch.unknown_fields
+            for event in batch.events:
+                if isinstance(event, BlockStored | BlockRemoved):
+                    media[(event.medium or "GPU").upper()] += 1
             drops = stream.normalize(record, batch)
             dropped.update(drops)
             if not strict:
@@ -177,9 +203,17 @@ def validate_captures(
                 message = f"{count} block(s) not forwarded: {reason}"
                 problems.append(replace(where, reason=reason, message=message, count=count))
                 invalid.add((name, index))
+        if frames == first_frame and not allow_empty:
+            unmet.append(f"{name}: no frames (--allow-empty accepts an empty capture)")
+    if frames < min_frames:
+        unmet.append(f"{frames} frames, fewer than --min-frames {min_frames}")
+    seen = ", ".join(f"{medium}={count}" for medium, count in sorted(media.items())) or "none"
+    for medium in dict.fromkeys(m.upper() for m in require_media):
+        if not media[medium]:
+            unmet.append(f"no event with medium {medium} (media seen: {seen})")
     summary = Counter(problem.reason for problem in problems)
     return Report(
-        valid=not problems,
+        valid=not problems and not unmet,
         strict=strict,
         captures=names,
         frames=frames,
@@ -189,6 +223,8 @@ def validate_captures(
         summary=dict(sorted(summary.items())),
         dropped=dict(sorted(dropped.items())),
         unknown_fields=unknown,
+        media=dict(sorted(media.items())),
+        unmet=unmet,
     )
 
 
@@ -209,6 +245,8 @@ def render_text(report: Report) -> str:
     )
     for reason, count in report.summary.items():
         lines.append(f"  {reason}: {count}")
+    for requirement in report.unmet:
+        lines.append(f"  {requirement}")
     if report.dropped:
         not_forwarded = ", ".join(f"{k}={v}" for k, v in report.dropped.items())
         lines.append(f"  not forwarded (blocks): {not_forwarded}")
