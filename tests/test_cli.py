@@ -1,20 +1,90 @@
-"""The ``kvbridge`` command: the bundled demo and the one-line errors."""
+"""The ``kvbridge`` command: the bundled demo, endpoints, exit codes and one-line errors.
+
+Every case of issue 12's list, with its exact message and exit code (0 ok, 1 invalid data, 2 bad
+usage or missing file):
+
+1. endpoints are checked (port range, scheme, duplicates, offsets);
+2. binding or connecting is explicit when it must be (``bind:`` / ``connect:``), a bind that
+   cannot work names the argument and the way out, and a silent source (or a replay nobody
+   subscribed to) is reported on both sides;
+3. ``validate`` fails on an empty capture;
+4. ``watch`` prints separate columns and no lag for a replayed capture, and ``replay`` keeps each
+   recorded stream on a socket of its own, so that ``record``, ``watch`` and ``relay`` see two
+   workers with their ids and block size;
+5. missing files exit 2 without ``[Errno 2]``, a closed stdout ends quietly, every flag does
+   something or is refused.
+"""
 
 from __future__ import annotations
 
-import json
+import os
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from support.lowports import free_low_ports
+from support.relay import RelayProcess
 
+from kvbridge.adapters.capture import CaptureReader, CaptureWriter
+from kvbridge.adapters.pipeline import StreamPipeline
+from kvbridge.schemas.tiers import Tier
 from kvbridge.schemas.vllm import LAYOUTS
 
+SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
+TIMEOUT = 60.0
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
-def kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
+
+def kvbridge(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "kvbridge.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        env=ENV,
     )
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return process.returncode, out, err
+
+
+def sample_residency() -> dict[int, tuple[int, int, int, int]]:
+    """Distinct blocks resident per tier (device, host_pinned, disk, external) at the end of the
+    bundled sample, for each worker, from the pipeline every command shares."""
+    pipeline = StreamPipeline(4)
+    for record in CaptureReader(SAMPLE):
+        pipeline.feed_record(record)
+    resident = {}
+    for worker_id, worker in pipeline.workers.items():
+        counts = [worker.normalizer.resident_blocks(0, tier) for tier in Tier]
+        resident[worker_id] = (counts[0], counts[1], counts[2], counts[3])
+    return resident
+
+
+def test_sample_residency_reference() -> None:
+    # Worker 1: support-bot's 2 GPU blocks + code-review's 3, and support-bot's 2 CPU blocks.
+    assert sample_residency() == {1: (5, 2, 0, 0), 2: (3, 2, 0, 0)}
 
 
 def test_demo_indexes_the_bundled_sample() -> None:
@@ -34,88 +104,298 @@ def test_demo_indexes_the_bundled_sample() -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            ["demo", "--block-size", "0"],
-            "kvbridge demo: error: argument --block-size: must be at least 1: '0'",
-        ),
-        (
-            ["demo", "--block-size", "x"],
-            "kvbridge demo: error: argument --block-size: not an integer: 'x'",
-        ),
-        (
-            ["frobnicate"],
-            "kvbridge: error: argument command: invalid choice: 'frobnicate' (choose from 'demo', 'relay', 'record', 'replay', 'watch', 'validate', 'schema')",
-        ),
-        (
-            ["demo", "--log-format", "xml"],
-            "kvbridge demo: error: argument --log-format: invalid choice: 'xml' (choose from 'console', 'json')",
-        ),
-    ],
-)
-def test_bad_argument_is_one_line_and_exit_2(args: list[str], message: str) -> None:
-    result = kvbridge(*args)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [message]
+RELAY = ["relay", "--source", "tcp://*:5557", "--block-size", "16"]
+"""A relay missing only its --publish."""
+
+BAD_ARGUMENTS = [
+    # argparse's own checks, one line each
+    (
+        ["demo", "--block-size", "0"],
+        "kvbridge demo: error: argument --block-size: must be at least 1: '0'",
+    ),
+    (
+        ["demo", "--block-size", "x"],
+        "kvbridge demo: error: argument --block-size: not an integer: 'x'",
+    ),
+    (
+        ["frobnicate"],
+        "kvbridge: error: argument command: invalid choice: 'frobnicate' (choose from 'demo', 'relay', 'record', 'replay', 'watch', 'validate', 'schema')",
+    ),
+    (
+        ["demo", "--log-format", "xml"],
+        "kvbridge demo: error: argument --log-format: invalid choice: 'xml' (choose from 'console', 'json')",
+    ),
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://*:1",
+            "--source-replay",
+            "tcp://*:2",
+            "--source-replay",
+            "tcp://*:3",
+            "--publish",
+            "tcp://127.0.0.1:4",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: give --source-replay once per --source, or not at all",
+    ),
+    (
+        ["relay", "--source", "tcp://*:1", "--publish", "tcp://127.0.0.1:4"],
+        "kvbridge relay: error: the following arguments are required: --block-size",
+    ),
+    (
+        ["record", "--source", "tcp://*:1", "--worker-id", "-1", "--out", "x.kvcap"],
+        "kvbridge record: error: argument --worker-id: must be at least 0: '-1'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:4", "--metrics-port", "70000"],
+        "kvbridge relay: error: argument --metrics-port: not a port number: '70000'",
+    ),
+    (
+        ["replay", "x.kvcap", "--publish", "tcp://*:1", "--pace", "fast"],
+        "kvbridge replay: error: argument --pace: invalid choice: 'fast' (choose from 'original', 'max')",
+    ),
+    (["validate"], "kvbridge validate: error: give at least one capture"),
+    # 1. endpoints are checked: port range, scheme, host
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:99999"],
+        "kvbridge relay: error: argument --publish: port 99999 is out of range 1-65535 in 'tcp://127.0.0.1:99999'",
+    ),
+    (
+        ["replay", str(SAMPLE), "--publish", "tcp://127.0.0.1:70000"],
+        "kvbridge replay: error: argument --publish: port 70000 is out of range 1-65535 in 'tcp://127.0.0.1:70000'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:0"],
+        "kvbridge relay: error: argument --publish: port 0 is out of range 1-65535 in 'tcp://127.0.0.1:0'",
+    ),
+    (
+        [*RELAY, "--publish", "127.0.0.1:45002"],
+        "kvbridge relay: error: argument --publish: not an endpoint: '127.0.0.1:45002' (expected tcp://HOST:PORT or ipc://PATH, optionally after bind: or connect:)",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1"],
+        "kvbridge relay: error: argument --publish: no port in 'tcp://127.0.0.1' (expected tcp://HOST:PORT)",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:x"],
+        "kvbridge relay: error: argument --publish: port 'x' is not a number in 'tcp://127.0.0.1:x'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://:6557"],
+        "kvbridge relay: error: argument --publish: no host in 'tcp://:6557' (use * for every interface)",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://300.1.1.1:6557"],
+        "kvbridge relay: error: argument --publish: '300.1.1.1' is not an IPv4 address or a host name in 'tcp://300.1.1.1:6557'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://[::1]:6557"],
+        "kvbridge relay: error: argument --publish: IPv6 address '[::1]' in 'tcp://[::1]:6557' is not supported (kvbridge's sockets are IPv4): use an IPv4 address or a host name",
+    ),
+    (
+        [*RELAY, "--publish", "udp://127.0.0.1:6557"],
+        "kvbridge relay: error: argument --publish: unsupported transport 'udp' in 'udp://127.0.0.1:6557' (tcp, ipc or inproc)",
+    ),
+    (
+        [*RELAY, "--publish", "ipc://"],
+        "kvbridge relay: error: argument --publish: no path in 'ipc://' (expected ipc://PATH)",
+    ),
+    (
+        [*RELAY, "--publish", "ipc:///" + "x" * 120],
+        f"kvbridge relay: error: argument --publish: ipc path longer than 107 bytes in 'ipc:///{'x' * 120}': use a shorter path",
+    ),
+    (
+        [*RELAY, "--publish", "inproc://relay"],
+        "kvbridge relay: error: argument --publish: inproc:// reaches only sockets of the same process: use tcp:// or ipc:// ('inproc://relay')",
+    ),
+    # 1. ... no duplicates, counting the ports the relay and replay offset per stream
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://*:5557",
+            "--source",
+            "tcp://*:5557",
+            "--publish",
+            "tcp://127.0.0.1:6557",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: argument --source: tcp://127.0.0.1:5557 is given twice",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:5557"],
+        "kvbridge relay: error: argument --publish: tcp://127.0.0.1:5557 is the same socket as --source tcp://127.0.0.1:5557",
+    ),
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://*:5557",
+            "--source",
+            "tcp://*:5558",
+            "--publish",
+            "tcp://127.0.0.1:6557",
+            "--publish-replay",
+            "tcp://127.0.0.1:6558",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: argument --publish-replay: tcp://127.0.0.1:6558 is the same socket as --publish tcp://127.0.0.1:6558 (its port + 1, for the 2nd --source)",
+    ),
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://*:5557",
+            "--source",
+            "tcp://*:5558",
+            "--publish",
+            "tcp://127.0.0.1:65535",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: argument --publish: port 65535 + 1 is past 65535 in 'tcp://127.0.0.1:65535' (the 2nd --source goes on its port + 1)",
+    ),
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://*:5557",
+            "--source",
+            "tcp://*:5558",
+            "--publish",
+            "ipc:///tmp/kvbridge-out",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: argument --publish: 'ipc:///tmp/kvbridge-out' cannot be offset for several streams: use tcp://HOST:PORT (the 2nd --source goes on its port + 1)",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://*:6557", "--metrics-port", "6557"],
+        "kvbridge relay: error: argument --metrics-port: tcp://127.0.0.1:6557 is the same socket as --publish tcp://*:6557",
+    ),
+    (
+        [
+            "record",
+            "--source",
+            "tcp://127.0.0.1:5557",
+            "--source",
+            "tcp://localhost:5557",
+            "--out",
+            "x.kvcap",
+        ],
+        "kvbridge record: error: argument --source: tcp://localhost:5557 is given twice",
+    ),
+    (
+        [
+            "watch",
+            "--source",
+            "tcp://*:5557",
+            "--source-replay",
+            "tcp://*:5557",
+            "--block-size",
+            "4",
+        ],
+        "kvbridge watch: error: argument --source-replay: tcp://127.0.0.1:5557 is the same socket as --source tcp://127.0.0.1:5557",
+    ),
+    # 2. bind: and connect: where they cannot apply
+    (
+        [
+            "watch",
+            "--source",
+            "tcp://*:5557",
+            "--source-replay",
+            "bind:tcp://*:5558",
+            "--block-size",
+            "4",
+        ],
+        "kvbridge watch: error: argument --source-replay: kvbridge always connects to a replay endpoint (the engine binds it): drop bind: ('bind:tcp://*:5558')",
+    ),
+    (
+        [*RELAY, "--publish", "connect:tcp://127.0.0.1:6557"],
+        "kvbridge relay: error: argument --publish: the relay always binds its outputs (Dynamo connects to them): drop connect: ('connect:tcp://127.0.0.1:6557')",
+    ),
+    # 2. vLLM's rule binds a non-wildcard source: a remote address cannot be bound
+    (
+        [*RELAY[:2], "tcp://192.0.2.1:5557", *RELAY[3:], "--publish", "tcp://127.0.0.1:6557"],
+        "kvbridge relay: error: argument --source: cannot bind tcp://192.0.2.1:5557: Cannot assign requested address; tcp://192.0.2.1:5557 is not an address of this host (to connect to an engine that binds it: connect:tcp://192.0.2.1:5557)",
+    ),
+    # 3. validate asked for nothing it can check
+    (
+        ["validate", "--json-schema", str(SAMPLE)],
+        "kvbridge validate: error: --json-schema prints the report's schema: give no capture",
+    ),
+    (
+        ["validate", "--min-frames", "0", str(SAMPLE)],
+        "kvbridge validate: error: argument --min-frames: must be at least 1: '0'",
+    ),
+    (
+        ["validate", "--require-medium", "C P U", str(SAMPLE)],
+        "kvbridge validate: error: argument --require-medium: not a medium: 'C P U' (e.g. GPU, CPU, DISK)",
+    ),
+    # 5. every flag does something or is refused
+    (
+        ["demo", "--metrics-port", "9100"],
+        "kvbridge demo: error: argument --metrics-port: kvbridge demo serves no metrics (relay, record and watch do)",
+    ),
+    (
+        ["validate", str(SAMPLE), "--metrics-port", "9100"],
+        "kvbridge validate: error: argument --metrics-port: kvbridge validate serves no metrics (relay, record and watch do)",
+    ),
+    (
+        ["replay", str(SAMPLE), "--publish", "tcp://*:5557", "--metrics-port", "9100"],
+        "kvbridge replay: error: argument --metrics-port: kvbridge replay serves no metrics (relay, record and watch do)",
+    ),
+    (
+        ["schema", "--log-format", "json"],
+        "kvbridge schema: error: argument --log-format: kvbridge schema writes no log",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:6557", "--publish", "tcp://127.0.0.1:6558"],
+        "kvbridge relay: error: argument --publish: given more than once (it takes one value)",
+    ),
+    (
+        ["replay", str(SAMPLE), "--publish", "tcp://*:5557", "--publish", "tcp://*:5558"],
+        "kvbridge replay: error: argument --publish: given more than once (it takes one value)",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:6557", "--block-size", "32"],
+        "kvbridge relay: error: argument --block-size: given more than once (it takes one value)",
+    ),
+    (
+        ["watch", "--source", "tcp://*:5557", "--block-size", "4", "--interval", "0"],
+        "kvbridge watch: error: argument --interval: must be positive: '0'",
+    ),
+    (
+        ["watch", "--source", "tcp://*:5557", "--block-size", "4", "--interval", "-1"],
+        "kvbridge watch: error: argument --interval: must be positive: '-1'",
+    ),
+    (
+        ["record", "--source", "tcp://*:5557", "--out", "x.kvcap", "--duration", "0"],
+        "kvbridge record: error: argument --duration: must be positive: '0'",
+    ),
+    (
+        ["replay", str(SAMPLE), "--publish", "tcp://*:5557", "--wait-subscribers", "-1"],
+        "kvbridge replay: error: argument --wait-subscribers: must be at least 0: '-1'",
+    ),
+]
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            [
-                "relay",
-                "--source",
-                "tcp://*:1",
-                "--source-replay",
-                "tcp://*:2",
-                "--source-replay",
-                "tcp://*:3",
-                "--publish",
-                "tcp://127.0.0.1:4",
-                "--block-size",
-                "16",
-            ],
-            "kvbridge relay: error: give --source-replay once per --source, or not at all",
-        ),
-        (
-            ["relay", "--source", "tcp://*:1", "--publish", "tcp://127.0.0.1:4"],
-            "kvbridge relay: error: the following arguments are required: --block-size",
-        ),
-        (
-            ["record", "--source", "tcp://*:1", "--worker-id", "-1", "--out", "x.kvcap"],
-            "kvbridge record: error: argument --worker-id: must be at least 0: '-1'",
-        ),
-        (
-            [
-                "relay",
-                "--source",
-                "tcp://*:1",
-                "--publish",
-                "tcp://127.0.0.1:4",
-                "--block-size",
-                "16",
-                "--metrics-port",
-                "70000",
-            ],
-            "kvbridge relay: error: argument --metrics-port: not a port number: '70000'",
-        ),
-        (
-            ["replay", "x.kvcap", "--publish", "tcp://*:1", "--pace", "fast"],
-            "kvbridge replay: error: argument --pace: invalid choice: 'fast' (choose from 'original', 'max')",
-        ),
-        (["validate"], "kvbridge validate: error: give at least one capture"),
-    ],
-)
-def test_bad_subcommand_argument_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+@pytest.mark.parametrize(("args", "message"), BAD_ARGUMENTS)
+def test_bad_usage_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = kvbridge(*args)
-    assert result.returncode == 2
     assert result.stderr.splitlines() == [message]
+    assert result.returncode == 2
+    assert result.stdout == ""
 
 
 def test_schema_exports_every_layout_and_dynamo() -> None:
+    import json
+
     result = kvbridge("schema")
     assert result.returncode == 0
     schema = json.loads(result.stdout)
@@ -142,9 +422,313 @@ def test_schema_exports_every_layout_and_dynamo() -> None:
     ]
 
 
-def test_unreadable_capture_is_one_line_and_exit_1(tmp_path: object) -> None:
-    result = kvbridge("demo", "/nonexistent.kvcap")
-    assert result.returncode == 1
+# --------------------------------------------------------------------------- 5. exit codes
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "/nonexistent.kvcap"],
+        ["validate", "/nonexistent.kvcap"],
+        ["replay", "/nonexistent.kvcap", "--publish", "tcp://*:5557"],
+    ],
+)
+def test_missing_file_is_one_line_and_exit_2(args: list[str]) -> None:
+    result = kvbridge(*args)
     assert result.stderr.splitlines() == [
-        "kvbridge demo: error: [Errno 2] No such file or directory: '/nonexistent.kvcap'"
+        f"kvbridge {args[0]}: error: /nonexistent.kvcap: No such file or directory"
+    ]
+    assert result.returncode == 2
+
+
+def test_directory_for_a_file_is_exit_2(tmp_path: Path) -> None:
+    result = kvbridge("record", "--source", "tcp://*:5557", "--out", str(tmp_path))
+    assert result.stderr.splitlines() == [f"kvbridge record: error: {tmp_path}: Is a directory"]
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize("command", ["demo", "validate"])
+def test_not_a_capture_is_invalid_data_exit_1(tmp_path: Path, command: str) -> None:
+    path = tmp_path / "bad.kvcap"
+    path.write_bytes(b"garbage")
+    result = kvbridge(command, str(path))
+    assert result.stderr.splitlines() == [
+        f"kvbridge {command}: error: {path}: not a kvcap file (bad magic)"
+    ]
+    assert result.returncode == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["schema"], 0),
+        (["demo"], 0),
+        (["validate", str(SAMPLE)], 0),
+        (["validate", "--json-schema"], 0),
+    ],
+)
+def test_a_closed_stdout_ends_quietly(args: list[str], code: int) -> None:
+    """``kvbridge schema | head``: the reader has gone before the command writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvbridge.cli", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=TIMEOUT,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == code
+
+
+def test_schema_into_head_in_a_shell() -> None:
+    result = subprocess.run(
+        f"{sys.executable} -m kvbridge.cli schema | head -n 1; exit ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=TIMEOUT,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "{\n", "")
+
+
+def test_a_port_in_use_names_the_argument() -> None:
+    port = free_low_ports(1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        result = kvbridge(
+            "record", "--source", f"tcp://127.0.0.1:{port}", "--out", "/dev/null", "--count", "1"
+        )
+    assert result.stderr.splitlines() == [
+        f"kvbridge record: error: argument --source: cannot bind tcp://127.0.0.1:{port}: "
+        "Address already in use"
+    ]
+    assert result.returncode == 2
+
+
+# --------------------------------------------------------------------------- 3. validate
+
+
+def test_validate_fails_on_an_empty_capture(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.kvcap"
+    CaptureWriter(empty).close()
+    result = kvbridge("validate", str(empty))
+    assert result.stdout.splitlines() == [
+        "INVALID: 0 frames, 0 events, 0 invalid frames in 1 capture(s)",
+        f"  {empty}: no frames (--allow-empty accepts an empty capture)",
+    ]
+    assert result.returncode == 1
+    allowed = kvbridge("validate", "--allow-empty", str(empty))
+    assert allowed.stdout.splitlines() == [
+        "valid: 0 frames, 0 events, 0 invalid frames in 1 capture(s)"
+    ]
+    assert allowed.returncode == 0
+
+
+# --------------------------------------------------------------------------- 2. bind or connect
+
+
+def test_connect_prefix_subscribes_to_a_remote_engine_and_reports_its_silence() -> None:
+    """``--source tcp://192.0.2.1:P`` cannot be bound here (see BAD_ARGUMENTS); with
+    ``connect:`` the relay connects, and says after 5 s that nothing came."""
+    port = free_low_ports(2)
+    result = kvbridge(
+        "relay",
+        "--source", f"connect:tcp://192.0.2.1:{port}",
+        "--publish", f"tcp://127.0.0.1:{port + 1}",
+        "--block-size", "4",
+        "--duration", "6",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "[warning" in line]
+    assert len(warnings) == 1, result.stderr
+    assert warnings[0].split("] ", 1)[1].rstrip() == (
+        f"no batch from tcp://192.0.2.1:{port} after 5 s: is the engine publishing there? "
+        f"kvbridge connects to tcp://192.0.2.1:{port}, so the engine must bind it (both sides "
+        f"binding or both connecting deliver nothing; bind:tcp://192.0.2.1:{port} says the "
+        "opposite)"
+    )
+
+
+def test_both_sides_connecting_is_reported_by_both() -> None:
+    """``watch --source tcp://*:P`` connects (vLLM binds a wildcard), and so does ``replay
+    --publish tcp://127.0.0.1:P`` (vLLM connects to an address): nothing can flow."""
+    port = free_low_ports(2)
+    watch = start(
+        "watch", "--source", f"tcp://*:{port}", "--block-size", "4", "--duration", "6.5",
+        "--interval", "3",
+    )  # fmt: skip
+    try:
+        replay = kvbridge(
+            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}",
+            "--wait-subscribers", "1", "--pace", "max",
+        )  # fmt: skip
+    finally:
+        code, out, err = finish(watch)
+    assert replay.returncode == 0, replay.stderr
+    replay_warnings = [
+        line.split("] ", 1)[1].rstrip() for line in replay.stderr.splitlines() if "[warning" in line
+    ]
+    assert replay_warnings == [
+        f"no subscriber on tcp://127.0.0.1:{p} after 1 s: is anyone subscribed there? "
+        f"replay connects to tcp://127.0.0.1:{p}, so the subscriber must bind it (both "
+        "sides binding or both connecting deliver nothing)"
+        for p in (port, port + 1)  # the sample's second stream goes on the next port
+    ]
+    assert code == 0, err
+    watch_warnings = [
+        line.split("] ", 1)[1].rstrip() for line in err.splitlines() if "[warning" in line
+    ]
+    assert watch_warnings == [
+        f"no batch from tcp://*:{port} after 5 s: is the engine publishing there? kvbridge "
+        f"connects to tcp://127.0.0.1:{port}, so the engine must bind it (both sides binding or "
+        f"both connecting deliver nothing; bind:tcp://*:{port} says the opposite)"
+    ]
+    assert (
+        out.rstrip("\n").splitlines()[-3]
+        == "batches 0 | gaps 0 | replays 0 (recovered 0) | lost 0 | restarts 0"
+    )
+
+
+def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
+    """``bind:tcp://*:P`` binds where vLLM's rule would connect; the replay connects to it."""
+    port = free_low_ports(2)
+    out = tmp_path / "again.kvcap"
+    record = start(
+        "record",
+        "--source", f"bind:tcp://*:{port}", "--worker-id", "1",
+        "--source", f"bind:tcp://*:{port + 1}", "--worker-id", "2",
+        "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
+    )  # fmt: skip
+    try:
+        replay = kvbridge(
+            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
+        )
+    finally:
+        code, _, err = finish(record)
+    assert replay.returncode == 0, replay.stderr
+    assert code == 0, err
+    assert len(list(CaptureReader(out))) == 7
+
+
+# --------------------------------------------------------------------------- 4. replay and watch
+
+
+def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path) -> None:
+    """Replayed into ``record``: two workers, each with its own sequence, and the block size
+    kept, so that ``demo`` of the new capture finds the sample's two workers and block size
+    (the prompts it prints overlaps for are the sample's own metadata, not recorded)."""
+    port = free_low_ports(2)
+    out = tmp_path / "again.kvcap"
+    record = start(
+        "record",
+        "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
+        "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
+    )  # fmt: skip
+    try:
+        replay = kvbridge(
+            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
+        )
+    finally:
+        code, _, err = finish(record)
+    assert replay.returncode == 0, replay.stderr
+    assert code == 0, err
+    assert "stream reset" not in err and "restarted" not in err, err
+    events = [line.split("] ", 1)[1] for line in replay.stderr.splitlines()]
+    assert [" ".join(line.split()) for line in events] == [
+        f"replaying block_size=4 messages=4 mode=connect publish=tcp://127.0.0.1:{port} stream=tcp://127.0.0.1:5557 worker_id=1",
+        f"replaying block_size=4 messages=3 mode=connect publish=tcp://127.0.0.1:{port + 1} stream=tcp://127.0.0.1:5558 worker_id=2",
+        f"subscribe with: --source tcp://127.0.0.1:{port} --worker-id 1 --source tcp://127.0.0.1:{port + 1} --worker-id 2 --block-size 4",
+        f"replayed capture={SAMPLE} messages=7 publish=tcp://127.0.0.1:{port}",
+    ]
+    records = list(CaptureReader(out))
+    by_worker = {w: [r.seq for r in records if r.worker_id == w] for w in (1, 2)}
+    assert by_worker == {1: [0, 1, 2, 3], 2: [0, 1, 2]}
+    assert CaptureReader(out).meta["block_size"] == 4
+    again, sample = kvbridge("demo", str(out)), kvbridge("demo")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:3] == [
+        "again.kvcap: 7 messages, 0 bad, block size 4",
+        *sample.stdout.splitlines()[1:3],  # worker 1: ..., worker 2: ...
+    ]
+
+
+def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:
+    port = free_low_ports(5)
+    with RelayProcess(
+        [
+            "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
+            "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+            "--publish", f"tcp://127.0.0.1:{port + 2}", "--block-size", "4",
+        ],
+        metrics_port=port + 4,
+        log_path=tmp_path / "relay.log",
+    ) as relay:  # fmt: skip
+        replay = kvbridge(
+            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
+        )
+        assert replay.returncode == 0, replay.stderr
+        assert relay.wait_value("kvbridge_batches_total", 7, direction="in"), relay.log()
+        samples = relay.metrics()
+    resident = {
+        (labels["worker"], labels["tier"]): value
+        for (name, items), value in samples.items()
+        if name == "kvbridge_resident_blocks"
+        for labels in [dict(items)]
+    }
+    expected = {
+        (str(worker), tier.value): count
+        for worker, counts in sample_residency().items()
+        for tier, count in zip(Tier, counts, strict=True)
+    }
+    assert resident == expected
+    assert samples["kvbridge_restarts_total", frozenset()] == 0
+
+
+def test_watch_prints_columns_and_no_lag_for_a_replay() -> None:
+    """Piped, ``watch`` prints the same table as on a terminal, without colours: separate
+    columns, and an empty lag cell for batches recorded long ago."""
+    port = free_low_ports(2)
+    watch = start(
+        "watch",
+        "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
+        "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        "--block-size", "4", "--duration", "5", "--interval", "4.5",
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)
+        replay = kvbridge(
+            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
+        )
+    finally:
+        code, out, err = finish(watch)
+    assert replay.returncode == 0, replay.stderr
+    assert code == 0, err
+    lines = out.rstrip("\n").splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["worker", "dp"])
+    assert lines[header].split() == [
+        "worker", "dp", "device", "host", "disk", "external", "blocks/s", "lag", "ms", "gaps",
+        "replayed", "lost", "restarts", "drops",
+    ]  # fmt: skip
+    rows = lines[header + 2 : header + 4]
+    lag = lines[header].index("lag ms")
+    residency = sample_residency()
+    for row, worker in zip(rows, (1, 2), strict=True):
+        cells = row.split()
+        assert cells[:6] == [str(worker), "0", *map(str, residency[worker])], out
+        assert row[lag : lag + len("lag ms")].strip() == "", out
+        assert cells[7:] == ["0", "0", "0", "0", "0"], out  # gaps .. drops; no lag cell
+    assert lines[-3:] == [
+        "batches 7 | gaps 0 | replays 0 (recovered 0) | lost 0 | restarts 0",
+        "bad frames: none",
+        "not forwarded: none",
     ]

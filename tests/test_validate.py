@@ -130,3 +130,78 @@ def test_every_golden_vllm_capture_is_valid_even_strict() -> None:
     assert result.stdout.splitlines() == [
         "valid (strict): 127 frames, 815 events, 0 invalid frames in 10 capture(s)"
     ]
+
+
+# --------------------------------------------------------------------------- what must be there
+
+GOLDEN = SAMPLE.parents[2] / "tests" / "fixtures" / "vllm-0.32.0"
+
+
+def test_an_empty_capture_fails_unless_allowed(tmp_path: Path) -> None:
+    """A CI recording that caught nothing must not pass."""
+    empty = tmp_path / "empty.kvcap"
+    CaptureWriter(empty, meta={"command": "kvbridge record"}).close()
+    result = validate(str(empty))
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        "INVALID: 0 frames, 0 events, 0 invalid frames in 1 capture(s)",
+        f"  {empty}: no frames (--allow-empty accepts an empty capture)",
+    ]
+    report = msgspec.json.decode(validate("--format", "json", str(empty)).stdout, type=Report)
+    assert (report.valid, report.problems, report.unmet) == (
+        False,
+        [],
+        [f"{empty}: no frames (--allow-empty accepts an empty capture)"],
+    )
+    allowed = validate("--allow-empty", str(empty))
+    assert allowed.returncode == 0, allowed.stdout
+    assert allowed.stdout.splitlines() == [
+        "valid: 0 frames, 0 events, 0 invalid frames in 1 capture(s)"
+    ]
+
+
+def test_each_empty_capture_is_named(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.kvcap"
+    CaptureWriter(empty).close()
+    result = validate(str(SAMPLE), str(empty))
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        "INVALID: 7 frames, 10 events, 0 invalid frames in 2 capture(s)",
+        f"  {empty}: no frames (--allow-empty accepts an empty capture)",
+    ]
+
+
+def test_require_medium_names_what_is_missing() -> None:
+    gpu_only = GOLDEN / "prefix.kvcap"
+    result = validate("--require-medium", "CPU", str(gpu_only))
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        "INVALID: 6 frames, 10 events, 0 invalid frames in 1 capture(s)",
+        "  no event with medium CPU (media seen: GPU=10)",
+    ]
+    # Without regard to case, each missing medium named, the media seen counted in the report.
+    both = validate(
+        "--require-medium", "cpu", "--require-medium", "Disk", "--format", "json", str(gpu_only)
+    )
+    assert both.returncode == 1
+    report = msgspec.json.decode(both.stdout, type=Report)
+    assert report.unmet == [
+        "no event with medium CPU (media seen: GPU=10)",
+        "no event with medium DISK (media seen: GPU=10)",
+    ]
+    assert report.media == {"GPU": 10}
+    # The offload capture has CPU events; the bundled sample too (its placeholders).
+    for capture in (GOLDEN / "offload.kvcap", SAMPLE):
+        ok = validate("--require-medium", "CPU", "--require-medium", "GPU", str(capture))
+        assert ok.returncode == 0, ok.stdout
+
+
+def test_min_frames_counts_over_all_captures() -> None:
+    a, b = GOLDEN / "xxhash-a.kvcap", GOLDEN / "xxhash-b.kvcap"  # 2 frames each
+    short = validate("--min-frames", "5", str(a), str(b))
+    assert short.returncode == 1
+    assert short.stdout.splitlines() == [
+        "INVALID: 4 frames, 6 events, 0 invalid frames in 2 capture(s)",
+        "  4 frames, fewer than --min-frames 5",
+    ]
+    assert validate("--min-frames", "4", str(a), str(b)).returncode == 0

@@ -1,36 +1,178 @@
-"""The text view behind ``kvbridge watch``: per-worker residency, rates and recovery counters."""
+"""The view behind ``kvbridge watch``: a table of workers, ranks and tiers, on ``rich``.
+
+One row per worker and dp rank: the distinct blocks resident on each tier, then, on the
+worker's first row, what the worker's streams did: blocks per second since the previous render,
+the lag of its last batch, the gaps seen in its sequence, the batches recovered by replay, the
+batches lost, the engine restarts and the blocks not forwarded (reference counting aside). Three
+lines under the table give the totals of the subscriber, the bad frames by reason and the blocks
+not forwarded by reason.
+
+The lag is left blank for a batch whose engine time is older than the start of the view by more
+than :data:`STALE_AFTER_S`: a replayed capture, or batches an engine's replay buffer held from
+before, say nothing about how far behind the relay is.
+
+``rich`` comes with the ``watch`` extra; it is imported only when a view is built, and
+:class:`MissingExtra` names the extra when it is absent.
+"""
 
 from __future__ import annotations
 
+import io
 import time
 from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final
 
 from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.validation import BENIGN
+from kvbridge.adapters.zmq import Message, Source, StreamReset
 from kvbridge.schemas.tiers import Tier
 
-__all__ = ["WatchView"]
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.table import Table
 
-_CLEAR = "\x1b[H\x1b[2J"
+__all__ = ["STALE_AFTER_S", "MissingExtra", "WatchView", "require_rich"]
+
+STALE_AFTER_S: Final = 60.0
+"""A batch whose engine time is this much older than the view's start shows no lag."""
+
+COLUMNS: Final = (
+    "worker",
+    "dp",
+    "device",
+    "host",
+    "disk",
+    "external",
+    "blocks/s",
+    "lag ms",
+    "gaps",
+    "replayed",
+    "lost",
+    "restarts",
+    "drops",
+)
+
+
+class MissingExtra(RuntimeError):
+    """An optional dependency is not installed; the message names the extra."""
+
+
+def require_rich() -> None:
+    """Raise :class:`MissingExtra` unless ``rich`` can be imported."""
+    try:
+        import rich  # noqa: F401
+    except ImportError as error:
+        raise MissingExtra(
+            "kvbridge watch needs the watch extra: pip install 'kvbridge[watch]' "
+            "(from a clone: pip install '.[watch]')"
+        ) from error
+
+
+class _SourceTally:
+    """What one source's items said, counted from outside the subscriber."""
+
+    __slots__ = ("gaps", "live", "lost", "previous_live", "replayed", "restarts")
+
+    def __init__(self) -> None:
+        self.gaps = self.replayed = self.lost = self.restarts = 0
+        self.live = False
+        """A live batch was delivered since the start or the last restart."""
+        self.previous_live = False
+        """The previous item of this source was a live batch."""
+
+    def observe(self, item: Message | StreamReset) -> None:
+        recovering = isinstance(item, StreamReset) and item.reason == "lost"
+        recovering = recovering or (isinstance(item, Message) and item.replayed)
+        if recovering and self.live and self.previous_live:
+            self.gaps += 1  # the subscriber recovers a gap before the live batch that shows it
+        if isinstance(item, StreamReset):
+            if item.reason == "restart":
+                self.restarts += 1
+                self.live = False
+            else:
+                self.lost += item.lost_batches
+            self.previous_live = False
+            return
+        if item.replayed:
+            self.replayed += 1
+        else:
+            self.live = True
+        self.previous_live = not item.replayed
 
 
 class WatchView:
-    """Renders a relay's state; rates are per second since the previous render."""
+    """Drives a relay (without outputs) and renders its state.
 
-    def __init__(self, relay: Relay, *, clear_screen: bool = False) -> None:
+    :meth:`poll` takes the place of :meth:`Relay.step`, so that the view sees each item the
+    subscriber hands out; rates are per second since the previous :meth:`renderable`.
+    """
+
+    def __init__(self, relay: Relay, *, stale_after_s: float = STALE_AFTER_S) -> None:
+        require_rich()
         self.relay = relay
-        self.clear_screen = clear_screen
+        self.stale_after_s = stale_after_s
+        self.started = time.time()
+        self._tallies: dict[Source, _SourceTally] = {}
+        self._engine_ts: dict[int, float] = {}
         self._last = time.monotonic()
         self._last_blocks: Counter[int] = Counter()
 
-    def render(self) -> str:
+    # -- input ---------------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 50) -> int:
+        """Feed whatever the relay's subscriber delivers within ``timeout_ms``."""
+        items = self.relay.subscriber.poll(timeout_ms)
+        self.observe(items)
+        return len(items)
+
+    def observe(self, items: Iterable[Message | StreamReset]) -> None:
+        """Feed items to the relay's pipeline and count what they say per source."""
+        pipeline = self.relay.pipeline
+        for item in items:
+            pipeline.feed(item)
+            self._tallies.setdefault(item.source, _SourceTally()).observe(item)
+            if isinstance(item, Message):
+                worker = pipeline.worker(item.source.worker_id)
+                self._engine_ts[item.source.worker_id] = time.time() - worker.lag
+
+    def delivered(self) -> list[str]:
+        """The endpoints of the sources that delivered at least one batch."""
+        return [
+            source.endpoint
+            for source, tally in self._tallies.items()
+            if tally.live or tally.replayed
+        ]
+
+    # -- output --------------------------------------------------------------------------
+
+    def _worker_tally(self, worker_id: int) -> _SourceTally:
+        total = _SourceTally()
+        for source, tally in self._tallies.items():
+            if source.worker_id == worker_id:
+                total.gaps += tally.gaps
+                total.replayed += tally.replayed
+                total.lost += tally.lost
+                total.restarts += tally.restarts
+        return total
+
+    def _lag(self, worker_id: int) -> str:
+        ts = self._engine_ts.get(worker_id)
+        if ts is None or ts < self.started - self.stale_after_s:
+            return ""
+        return f"{self.relay.workers[worker_id].lag * 1000:.1f}"
+
+    def table(self) -> Table:
+        """The worker table; updates the rates."""
+        from rich import box
+        from rich.table import Table
+
         now = time.monotonic()
         elapsed = max(now - self._last, 1e-9)
         self._last = now
-        lines = [
-            f"{'worker':>8}{'dp':>4}{'device':>9}{'host':>9}{'disk':>9}{'external':>10}"
-            f"{'blocks/s':>10}{'lag ms':>9}"
-        ]
-        drops: Counter[str] = Counter()
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
+        for name in COLUMNS:
+            table.add_column(name, justify="right", no_wrap=name == "worker")
         for worker_id, worker in sorted(self.relay.workers.items()):
             normalizer = worker.normalizer
             blocks = sum(
@@ -38,23 +180,31 @@ class WatchView:
             ) + sum(normalizer.dropped.values())
             rate = (blocks - self._last_blocks[worker_id]) / elapsed
             self._last_blocks[worker_id] = blocks
-            drops.update(normalizer.stats)
+            tally = self._worker_tally(worker_id)
+            drops = sum(n for reason, n in normalizer.stats.items() if reason not in BENIGN)
+            figures: list[str] = [
+                f"{rate:.1f}",
+                self._lag(worker_id),
+                *map(str, (tally.gaps, tally.replayed, tally.lost, tally.restarts, drops)),
+            ]
             for rank in normalizer.dp_ranks or [0]:
-                device, host, disk, external = (
-                    normalizer.resident_blocks(rank, tier) for tier in Tier
-                )
-                lines.append(
-                    f"{worker_id:>8}{rank:>4}{device:>9}{host:>9}{disk:>9}{external:>10}"
-                    f"{rate:>10.1f}{worker.lag * 1000:>9.1f}"
-                )
+                tiers = (str(normalizer.resident_blocks(rank, tier)) for tier in Tier)
+                table.add_row(str(worker_id), str(rank), *tiers, *figures)
+                figures = [""] * len(figures)
+        return table
+
+    def footer(self) -> list[str]:
+        """The subscriber's totals, the bad frames and the blocks not forwarded, by reason."""
         subscriber = self.relay.subscriber.stats
         bad = {
             key.removeprefix("bad_frame:"): count
             for key, count in (*self.relay.stats.items(), *subscriber.items())
             if key.startswith("bad_frame:")
         }
-        lines.append("")
-        lines.append(
+        drops: Counter[str] = Counter()
+        for worker in self.relay.workers.values():
+            drops.update(worker.normalizer.stats)
+        return [
             "batches {} | gaps {} | replays {} (recovered {}) | lost {} | restarts {}".format(
                 self.relay.stats["batches_in"],
                 subscriber["gaps"],
@@ -62,12 +212,28 @@ class WatchView:
                 subscriber["replayed"],
                 subscriber["lost"],
                 subscriber["restarts"],
-            )
-        )
-        lines.append("bad frames: " + _counts(bad))
-        lines.append("not forwarded: " + _counts(drops))
-        text = "\n".join(lines)
-        return _CLEAR + text if self.clear_screen else text
+            ),
+            "bad frames: " + _counts(bad),
+            "not forwarded: " + _counts(drops),
+        ]
+
+    def renderable(self) -> Group:
+        """The table and the footer, for a :class:`rich.live.Live` display."""
+        from rich.console import Group
+        from rich.text import Text
+
+        lines = (Text(line, no_wrap=True, overflow="crop") for line in self.footer())
+        return Group(self.table(), Text(""), *lines)
+
+    def render(self, width: int = 120) -> str:
+        """The view as plain text, ``width`` columns wide (for pipes, logs and tests)."""
+        from rich.console import Console
+
+        out = io.StringIO()
+        console = Console(file=out, width=width, color_system=None, force_terminal=False)
+        console.print(self.table())
+        lines = [line.rstrip() for line in out.getvalue().splitlines()]
+        return "\n".join([*lines, "", *self.footer()])
 
 
 def _counts(counts: dict[str, int]) -> str:
