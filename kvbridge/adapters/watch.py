@@ -5,7 +5,9 @@ worker's first row, what the worker's streams did: blocks per second since the p
 the lag of its last batch, the gaps seen in its sequence, the batches recovered by replay, the
 batches lost, the engine restarts and the blocks not forwarded (reference counting aside). Three
 lines under the table give the totals of the subscriber, the bad frames by reason and the blocks
-not forwarded by reason.
+not forwarded by reason. The table takes the console's width: from :data:`WIDE` columns, full
+headers with a space either side of each cell; below, shorter headers and one space between
+cells, so that it fits 80 columns.
 
 The lag is left blank for a batch whose engine time is older than the start of the view by more
 than :data:`STALE_AFTER_S`: a replayed capture, or batches an engine's replay buffer held from
@@ -29,7 +31,7 @@ from kvbridge.adapters.zmq import Message, Source, StreamReset
 from kvbridge.schemas.tiers import Tier
 
 if TYPE_CHECKING:
-    from rich.console import Group
+    from rich.console import Console, ConsoleOptions, RenderResult
     from rich.table import Table
 
 __all__ = ["STALE_AFTER_S", "MissingExtra", "WatchView", "require_rich"]
@@ -52,6 +54,24 @@ COLUMNS: Final = (
     "restarts",
     "drops",
 )
+NARROW_COLUMNS: Final = (
+    "worker",
+    "dp",
+    "device",
+    "host",
+    "disk",
+    "ext",
+    "blk/s",
+    "lag ms",
+    "gaps",
+    "replay",
+    "lost",
+    "restart",
+    "drops",
+)
+"""The headers on a screen narrower than :data:`WIDE` columns (80 columns fit them)."""
+WIDE: Final = 110
+"""The width from which the table has its full headers and a space on each side of a cell."""
 
 
 class MissingExtra(RuntimeError):
@@ -162,17 +182,12 @@ class WatchView:
             return ""
         return f"{self.relay.workers[worker_id].lag * 1000:.1f}"
 
-    def table(self) -> Table:
-        """The worker table; updates the rates."""
-        from rich import box
-        from rich.table import Table
-
+    def rows(self) -> list[list[str]]:
+        """One row per worker and rank, cells in :data:`COLUMNS` order; updates the rates."""
         now = time.monotonic()
         elapsed = max(now - self._last, 1e-9)
         self._last = now
-        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
-        for name in COLUMNS:
-            table.add_column(name, justify="right", no_wrap=name == "worker")
+        rows: list[list[str]] = []
         for worker_id, worker in sorted(self.relay.workers.items()):
             normalizer = worker.normalizer
             blocks = sum(
@@ -189,9 +204,9 @@ class WatchView:
             ]
             for rank in normalizer.dp_ranks or [0]:
                 tiers = (str(normalizer.resident_blocks(rank, tier)) for tier in Tier)
-                table.add_row(str(worker_id), str(rank), *tiers, *figures)
+                rows.append([str(worker_id), str(rank), *tiers, *figures])
                 figures = [""] * len(figures)
-        return table
+        return rows
 
     def footer(self) -> list[str]:
         """The subscriber's totals, the bad frames and the blocks not forwarded, by reason."""
@@ -217,23 +232,54 @@ class WatchView:
             "not forwarded: " + _counts(drops),
         ]
 
-    def renderable(self) -> Group:
-        """The table and the footer, for a :class:`rich.live.Live` display."""
-        from rich.console import Group
-        from rich.text import Text
-
-        lines = (Text(line, no_wrap=True, overflow="crop") for line in self.footer())
-        return Group(self.table(), Text(""), *lines)
+    def renderable(self) -> _Screen:
+        """The table and the footer as they are now, for a :class:`rich.live.Live` display:
+        the table takes the headers that fit the console's width."""
+        return _Screen(self.rows(), self.footer())
 
     def render(self, width: int = 120) -> str:
         """The view as plain text, ``width`` columns wide (for pipes, logs and tests)."""
         from rich.console import Console
 
+        screen = self.renderable()
         out = io.StringIO()
         console = Console(file=out, width=width, color_system=None, force_terminal=False)
-        console.print(self.table())
+        console.print(screen.table(width))
         lines = [line.rstrip() for line in out.getvalue().splitlines()]
-        return "\n".join([*lines, "", *self.footer()])
+        return "\n".join([*lines, "", *screen.footer])
+
+
+class _Screen:
+    """One render of the view: rows and footer, laid out for the width rich offers."""
+
+    def __init__(self, rows: list[list[str]], footer: list[str]) -> None:
+        self.rows = rows
+        self.footer = footer
+
+    def table(self, width: int) -> Table:
+        from rich import box
+        from rich.table import Table
+
+        wide = width >= WIDE
+        table = Table(
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            padding=(0, 1) if wide else (0, 0),
+        )
+        for name in COLUMNS if wide else NARROW_COLUMNS:
+            table.add_column(name, justify="right", no_wrap=True)
+        for row in self.rows:
+            table.add_row(*row)
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        from rich.text import Text
+
+        yield self.table(options.max_width)
+        yield Text("")
+        for line in self.footer:
+            yield Text(line, no_wrap=True, overflow="crop")
 
 
 def _counts(counts: dict[str, int]) -> str:
