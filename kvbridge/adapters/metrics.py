@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kvbridge.adapters.relay import Relay
     from kvbridge.adapters.zmq import Subscriber
 
-__all__ = ["METRICS", "serve_metrics"]
+__all__ = ["METRICS", "metrics_registry", "serve_metrics"]
 
 METRICS: dict[str, str] = {
     "kvbridge_blocks_total": "Blocks by event type, tier and outcome (forwarded or a drop reason)",
@@ -112,6 +112,17 @@ def _counter(name: str, labels: list[str]) -> Any:
     from prometheus_client.core import CounterMetricFamily
 
     return CounterMetricFamily(name.removesuffix("_total"), METRICS[name], labels=labels)
+
+
+def metrics_registry(relay: Relay | None = None, subscriber: Subscriber | None = None) -> Any:
+    """A ``prometheus_client.CollectorRegistry`` holding a relay's (or a bare subscriber's)
+    metrics, the ones :func:`serve_metrics` serves, for an exporter of one's own or a test
+    (``prometheus_client.generate_latest(registry)``)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    registry.register(_Collector(relay, subscriber))
+    return registry
 
 
 def serve_metrics(
