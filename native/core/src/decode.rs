@@ -2,8 +2,17 @@
 //!
 //! Tolerant where vLLM grew (unknown trailing positions and unknown map keys are skipped and
 //! counted), strict where meaning would be lost (an unknown tag, a wrong type, a value out of
-//! range, tokens that cannot fill their blocks). Errors name the event index and the field the
-//! way `kvbridge.schemas.decode_batch` names them, so the two decoders can be compared.
+//! range, tokens that cannot fill their blocks, malformed msgpack, nesting deeper than
+//! [`MAX_DEPTH`]).
+//!
+//! Every payload gets the outcome `kvbridge.schemas.decode_batch` gives it: the same batch, or
+//! an error at the same event index and field (`tests/test_decode_differential.py` checks
+//! this). So the first problem in wire order wins, as msgspec meets it: strings are checked
+//! for UTF-8 when a field of type `str` reads them (a string where an int belongs is a type
+//! error), skipped values are only framed, and an event with fields no release has is also
+//! read generically as a whole (its strings, timestamps and map keys checked), as
+//! decode_batch's event-by-event path reads it. Where decode_batch is at fault (see
+//! `known_divergence` in `tools/fuzz_decoders.py`) this decoder follows the wire format.
 
 use std::fmt;
 use std::ops::Range;
@@ -12,7 +21,7 @@ use crate::layout::{
     CLEARED, REMOVED, REMOVED_ARRAY_FIELDS, REMOVED_FIELDS, REMOVED_REQUIRED, STORED,
     STORED_ARRAY_FIELDS, STORED_FIELDS, STORED_REQUIRED, U32_MAX,
 };
-use crate::msgpack::{Item, ReadError, Reader};
+use crate::msgpack::{too_deep, Item, Lax, ReadError, Reader, MAX_DEPTH};
 
 /// A payload that is not a valid vLLM batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,31 +105,65 @@ pub struct Batch<'a> {
     pub unknown_fields: u64,
 }
 
-/// Where an error lies, for its message.
+/// Where an error lies: an event's field, and up to two list indices in it
+/// (`lookahead_token_ids[1][3]`).
+#[derive(Clone, Copy)]
 struct At<'f> {
     event: usize,
     field: &'f str,
-    element: Option<usize>,
+    elements: [usize; 2],
+    depth: u8,
 }
 
-impl At<'_> {
-    fn error(&self, text: impl fmt::Display) -> SchemaError {
-        let field = match self.element {
-            Some(index) => format!("{}[{index}]", self.field),
-            None => self.field.to_string(),
-        };
-        SchemaError {
-            message: format!("event {}: field '{field}': {text}", self.event),
-            event_index: Some(self.event),
-            field: Some(field),
+impl<'f> At<'f> {
+    fn new(event: usize, field: &'f str) -> Self {
+        At {
+            event,
+            field,
+            elements: [0; 2],
+            depth: 0,
         }
     }
 
-    fn at(&self, element: usize) -> At<'_> {
-        At {
-            event: self.event,
-            field: self.field,
-            element: Some(element),
+    fn name(&self) -> String {
+        let mut name = self.field.to_string();
+        for element in &self.elements[..usize::from(self.depth)] {
+            name.push_str(&format!("[{element}]"));
+        }
+        name
+    }
+
+    fn error(&self, text: impl fmt::Display) -> SchemaError {
+        event_error(self.event, &self.name(), text)
+    }
+
+    fn at(&self, element: usize) -> At<'f> {
+        let mut inner = *self;
+        inner.elements[usize::from(self.depth).min(1)] = element;
+        inner.depth = (self.depth + 1).min(2);
+        inner
+    }
+
+    /// The error of a value inside this one that msgspec decoded as `Any` (an extra key).
+    fn generic_error(&self, error: GenericError) -> SchemaError {
+        match error {
+            GenericError::Malformed(text) => malformed_event(self.event, text),
+            GenericError::Timestamp { text, path } => {
+                // A path through a map key reads "`key` in `$...`" in msgspec's error, which
+                // decode_batch cannot map to a field.
+                if path.contains(&Segment::Key) {
+                    return event_error(self.event, "event", text);
+                }
+                let mut name = self.name();
+                for segment in path {
+                    match segment {
+                        Segment::Index(index) => name.push_str(&format!("[{index}]")),
+                        Segment::Value => name.push_str("[...]"),
+                        Segment::Key => unreachable!("checked above"),
+                    }
+                }
+                event_error(self.event, &name, text)
+            }
         }
     }
 }
@@ -133,6 +176,10 @@ fn batch_error(text: impl fmt::Display) -> SchemaError {
     }
 }
 
+fn malformed_batch(error: impl fmt::Display) -> SchemaError {
+    batch_error(format!("malformed msgpack: {error}"))
+}
+
 fn event_error(index: usize, field: &str, text: impl fmt::Display) -> SchemaError {
     SchemaError {
         event_index: Some(index),
@@ -141,15 +188,15 @@ fn event_error(index: usize, field: &str, text: impl fmt::Display) -> SchemaErro
     }
 }
 
-fn read_error(index: usize, error: &ReadError) -> SchemaError {
+fn malformed_event(index: usize, error: impl fmt::Display) -> SchemaError {
     SchemaError {
         event_index: Some(index),
         field: None,
-        message: format!("event {index}: {error}"),
+        message: format!("event {index}: malformed msgpack: {error}"),
     }
 }
 
-fn expected(what: &str, item: &Item<'_>) -> String {
+fn expected(what: &str, item: &Lax<'_>) -> String {
     format!("Expected `{what}`, got `{}`", item.type_name())
 }
 
@@ -159,10 +206,30 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
     if payload.is_empty() {
         return Err(batch_error("empty payload"));
     }
+    // decode_batch refuses deep nesting before anything else; a payload that decodes has been
+    // framed to its last byte, within the limit, so only a failed one needs the walk.
+    decode_batch(payload, arena).map_err(|error| nesting_error(payload).unwrap_or(error))
+}
+
+/// The error for a payload nested deeper than [`MAX_DEPTH`], if it is: inside an event when the
+/// batch and its events are arrays and the nesting lies in an event.
+fn nesting_error(payload: &[u8]) -> Option<SchemaError> {
+    let path = too_deep(payload)?;
+    let text = format!("nesting deeper than {MAX_DEPTH} levels");
+    Some(match path.as_slice() {
+        [(1, false), (index, false), ..] => SchemaError {
+            event_index: Some(*index),
+            field: None,
+            message: format!("event {index}: {text}"),
+        },
+        _ => batch_error(text),
+    })
+}
+
+fn decode_batch<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, SchemaError> {
     let mut reader = Reader::new(payload);
-    let malformed = |error: ReadError| batch_error(format!("malformed msgpack: {error}"));
-    let fields = match reader.item().map_err(malformed)? {
-        Item::Array(len) => len,
+    let fields = match reader.lax().map_err(malformed_batch)? {
+        Lax::Item(Item::Array(len)) => len,
         other => return Err(batch_error(expected("array", &other))),
     };
     if fields < 2 {
@@ -170,10 +237,10 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
             "Expected `array` of at least length 2, got {fields}"
         )));
     }
-    let ts = match reader.item().map_err(malformed)? {
-        Item::Float(value) => value,
-        Item::UInt(value) => value as f64,
-        Item::NegInt(value) => value as f64,
+    let ts = match reader.lax().map_err(malformed_batch)? {
+        Lax::Item(Item::Float(value)) => value,
+        Lax::Item(Item::UInt(value)) => value as f64,
+        Lax::Item(Item::NegInt(value)) => value as f64,
         other => {
             return Err(batch_error(format!(
                 "{} - at `$[0]`",
@@ -181,8 +248,8 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
             )))
         }
     };
-    let count = match reader.item().map_err(malformed)? {
-        Item::Array(len) => len,
+    let count = match reader.lax().map_err(malformed_batch)? {
+        Lax::Item(Item::Array(len)) => len,
         other => {
             return Err(batch_error(format!(
                 "{} - at `$[1]`",
@@ -191,21 +258,22 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
         }
     };
     // Events are framed first (structure only), then decoded one by one, as decode_batch does.
-    let mut raws = Vec::with_capacity(count);
+    let mut raws = Vec::with_capacity(count.min(reader.left()));
     for _ in 0..count {
-        raws.push(frame(&mut reader).map_err(malformed)?);
+        raws.push(reader.raw_lax(2).map_err(malformed_batch)?);
     }
     let mut dp_rank = None;
     if fields >= 3 {
-        dp_rank = match reader.item().map_err(malformed)? {
-            Item::Nil => None,
-            Item::UInt(value) if value <= U32_MAX => Some(value as u32),
-            Item::UInt(_) => {
-                return Err(batch_error(format!(
-                    "Expected `int` <= {U32_MAX} - at `$[2]`"
-                )))
-            }
-            Item::NegInt(_) => return Err(batch_error("Expected `int` >= 0 - at `$[2]`")),
+        let bound = |text: String| SchemaError {
+            event_index: None,
+            field: Some("data_parallel_rank".to_string()),
+            message: format!("batch: field 'data_parallel_rank': {text}"),
+        };
+        dp_rank = match reader.lax().map_err(malformed_batch)? {
+            Lax::Item(Item::Nil) => None,
+            Lax::Item(Item::UInt(value)) if value <= U32_MAX => Some(value as u32),
+            Lax::Item(Item::UInt(_)) => return Err(bound(format!("Expected `int` <= {U32_MAX}"))),
+            Lax::Item(Item::NegInt(_)) => return Err(bound("Expected `int` >= 0".to_string())),
             other => {
                 return Err(batch_error(format!(
                     "{} - at `$[2]`",
@@ -216,29 +284,37 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
     }
     let extra_batch_fields = fields.saturating_sub(3);
     for _ in 0..extra_batch_fields {
-        reader.skip(1).map_err(malformed)?;
+        reader.skip_lax(1).map_err(malformed_batch)?;
     }
     if !reader.is_empty() {
-        return Err(batch_error("malformed msgpack: trailing characters"));
+        return Err(malformed_batch("trailing characters"));
+    }
+    if extra_batch_fields > 0 {
+        // decode_batch counts unknown batch fields on a generic decoding of the whole payload.
+        generic(&mut Reader::new(payload), &mut Vec::new(), 0).map_err(|error| {
+            malformed_batch(match error {
+                GenericError::Malformed(text) | GenericError::Timestamp { text, .. } => text,
+            })
+        })?;
     }
     let mut events = Vec::with_capacity(count);
     let mut unknown = extra_batch_fields as u64;
-    let mut eras = (false, false);
-    let mut fast_path_unknown = 0u64;
+    let (mut arrays, mut maps) = (false, false);
+    let mut fast = extra_batch_fields == 0;
     for (index, raw) in raws.into_iter().enumerate() {
         let decoded = decode_event(index, raw, arena)?;
         if decoded.array {
-            eras.0 = true;
+            arrays = true;
         } else {
-            eras.1 = true;
+            maps = true;
         }
         unknown += decoded.unknown;
-        fast_path_unknown += decoded.unknown_not_nil;
+        fast &= decoded.fast;
         events.push(decoded.event);
     }
     // decode_batch first tries one strict pass per era; a batch it accepts there counts
-    // nothing unknown, even nil array positions past the array era.
-    if extra_batch_fields == 0 && !(eras.0 && eras.1) && fast_path_unknown == 0 {
+    // nothing unknown, not even nil array positions past the array era.
+    if fast && !(arrays && maps) {
         unknown = 0;
     }
     Ok(Batch {
@@ -249,48 +325,58 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
     })
 }
 
-/// One event's bytes, framed without checking strings (the event's own decoding checks them).
-fn frame<'a>(reader: &mut Reader<'a>) -> Result<&'a [u8], ReadError> {
-    reader.raw(1)
-}
-
 struct Decoded<'a> {
     event: Event<'a>,
     array: bool,
     unknown: u64,
-    /// Unknown fields that would also fail decode_batch's strict one-pass decoding.
-    unknown_not_nil: u64,
+    /// Whether decode_batch's strict one-pass decoding would accept the event as it is.
+    fast: bool,
 }
+
+/// Events are enclosed by the batch and its events list.
+const EVENT_DEPTH: usize = 2;
 
 fn decode_event<'a>(
     index: usize,
     raw: &'a [u8],
     arena: &mut Arena,
 ) -> Result<Decoded<'a>, SchemaError> {
-    // The whole event must be well-formed msgpack with valid strings, unknown fields included.
-    Reader::new(raw)
-        .skip(1)
-        .map_err(|error| read_error(index, &error))?;
     let mut reader = Reader::new(raw);
-    let head = reader.item().map_err(|error| read_error(index, &error))?;
-    match head {
-        Item::Array(len) => decode_array_event(index, len, &mut reader, arena),
-        Item::Map(len) => decode_map_event(index, len, &mut reader, arena),
+    match reader
+        .lax()
+        .map_err(|error| malformed_event(index, error))?
+    {
+        Lax::Item(Item::Array(len)) => decode_array_event(index, raw, len, &mut reader, arena),
+        Lax::Item(Item::Map(len)) => decode_map_event(index, raw, len, &mut reader, arena),
         other => Err(event_error(index, "event", expected("object", &other))),
     }
 }
 
-fn tag_of(index: usize, item: Item<'_>) -> Result<&'static str, SchemaError> {
-    match item {
-        Item::Str(STORED) => Ok(STORED),
-        Item::Str(REMOVED) => Ok(REMOVED),
-        Item::Str(CLEARED) => Ok(CLEARED),
-        Item::Str(other) => Err(event_error(
-            index,
-            "type",
-            format!("Invalid value '{other}'"),
-        )),
-        other => Err(event_error(index, "type", expected("str", &other))),
+/// Checks a whole event as a generic decoding of it would (strings, timestamps, map keys).
+fn check_generic(index: usize, raw: &[u8]) -> Result<(), SchemaError> {
+    generic(&mut Reader::new(raw), &mut Vec::new(), EVENT_DEPTH)
+        .map(|_| ())
+        .map_err(|error| match error {
+            GenericError::Malformed(text) | GenericError::Timestamp { text, .. } => {
+                malformed_event(index, text)
+            }
+        })
+}
+
+/// The event type a tag names: an unknown one is an invalid value, or malformed if its bytes
+/// are not even UTF-8.
+fn tag_of(index: usize, item: Lax<'_>) -> Result<&'static str, SchemaError> {
+    let Lax::Str(bytes) = item else {
+        return Err(event_error(index, "type", expected("str", &item)));
+    };
+    match bytes {
+        b"BlockStored" => Ok(STORED),
+        b"BlockRemoved" => Ok(REMOVED),
+        b"AllBlocksCleared" => Ok(CLEARED),
+        _ => Err(match std::str::from_utf8(bytes) {
+            Ok(other) => event_error(index, "type", format!("Invalid value '{other}'")),
+            Err(_) => malformed_event(index, ReadError::Utf8),
+        }),
     }
 }
 
@@ -304,10 +390,12 @@ fn fields_of(tag: &str) -> (&'static [&'static str], usize, usize) {
 
 fn decode_array_event<'a>(
     index: usize,
+    raw: &'a [u8],
     len: usize,
     reader: &mut Reader<'a>,
     arena: &mut Arena,
 ) -> Result<Decoded<'a>, SchemaError> {
+    let malformed = |error: ReadError| malformed_event(index, error);
     if len == 0 {
         return Err(event_error(
             index,
@@ -315,10 +403,15 @@ fn decode_array_event<'a>(
             "Expected `array` of at least length 1, got 0",
         ));
     }
-    let item = reader.item().map_err(|error| read_error(index, &error))?;
-    let tag = tag_of(index, item)?;
+    let tag = tag_of(index, reader.lax().map_err(malformed)?)?;
     let (names, required, known) = fields_of(tag);
     let given = len - 1;
+    // Positions past the array era are unknown: decode_batch decodes such an event
+    // generically, drops them and decodes the rest.
+    let unknown = given.saturating_sub(known);
+    if unknown > 0 {
+        check_generic(index, raw)?;
+    }
     if given < required {
         return Err(event_error(
             index,
@@ -333,83 +426,105 @@ fn decode_array_event<'a>(
     for name in names.iter().take(given.min(known)) {
         builder.field(index, name, reader, arena)?;
     }
-    // Positions past the array era: unknown. Nil ones up to the newest field count are what
-    // decode_batch's strict pass would accept, the rest fail it.
-    let mut unknown_not_nil = 0;
-    for position in known..given {
-        let is_nil = reader.peek() == Some(0xc0);
-        reader.skip(2).map_err(|error| read_error(index, &error))?;
-        if !is_nil || position >= names.len() {
-            unknown_not_nil += 1;
-        }
+    // The strict pass accepts nil up to the newest layout's fields, and nothing past them.
+    let mut fast = given <= names.len();
+    for _ in known..given {
+        fast &= reader.peek() == Some(0xc0);
+        reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
     }
     Ok(Decoded {
         event: builder.finish(index)?,
         array: true,
-        unknown: given.saturating_sub(known) as u64,
-        unknown_not_nil,
+        unknown: unknown as u64,
+        fast,
     })
 }
 
 fn decode_map_event<'a>(
     index: usize,
+    raw: &'a [u8],
     len: usize,
     reader: &mut Reader<'a>,
     arena: &mut Arena,
 ) -> Result<Decoded<'a>, SchemaError> {
-    // The tag may stand anywhere among the keys: find it first.
+    let malformed = |error: ReadError| malformed_event(index, error);
+    let key_of = |reader: &mut Reader<'a>| match reader.lax().map_err(malformed)? {
+        Lax::Str(bytes) => Ok(bytes),
+        other => Err(event_error(index, "event", expected("str", &other))),
+    };
+    // The tag may stand anywhere among the keys: msgspec looks for it first, then decodes
+    // every key from the start (or from the second key if the tag was the first).
     let start = reader.clone();
     let mut tag = None;
-    for _ in 0..len {
-        let key = reader.item().map_err(|error| read_error(index, &error))?;
-        if key == Item::Str("type") {
-            let item = reader.item().map_err(|error| read_error(index, &error))?;
-            tag = Some(tag_of(index, item)?);
+    for position in 0..len {
+        if key_of(reader)? == b"type" {
+            tag = Some((tag_of(index, reader.lax().map_err(malformed)?)?, position));
             break;
         }
-        reader.skip(2).map_err(|error| read_error(index, &error))?;
+        reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
     }
-    let Some(tag) = tag else {
+    let Some((tag, position)) = tag else {
         return Err(event_error(
             index,
             "event",
             "Object missing required field `type`",
         ));
     };
-    *reader = start;
+    let mut keys = len - 1;
+    if position > 0 {
+        *reader = start;
+        keys = len;
+    }
     let (names, required, _) = fields_of(tag);
     let mut builder = EventBuilder::new(tag);
-    let mut unknown = 0;
-    for _ in 0..len {
-        let key = reader.item().map_err(|error| read_error(index, &error))?;
-        let name = match key {
-            Item::Str("type") => {
-                reader.skip(2).map_err(|error| read_error(index, &error))?;
-                continue;
+    // Unknown keys, each counted once as decode_batch counts them (on a generic decoding).
+    let mut unknown: Vec<&[u8]> = Vec::new();
+    for _ in 0..keys {
+        let key = key_of(reader)?;
+        if key == b"type" {
+            let again = reader.lax().map_err(malformed)?;
+            if tag_of(index, again)? != tag {
+                let Lax::Str(bytes) = again else {
+                    unreachable!("tag_of took a str")
+                };
+                return Err(event_error(
+                    index,
+                    "type",
+                    format!("Invalid value '{}'", String::from_utf8_lossy(bytes)),
+                ));
             }
-            Item::Str(name) => names.iter().find(|known| **known == name),
-            other => return Err(event_error(index, "event", expected("str", &other))),
-        };
-        match name {
+            continue;
+        }
+        match names.iter().find(|name| name.as_bytes() == key) {
             Some(name) => builder.field(index, name, reader, arena)?,
             None => {
-                unknown += 1;
-                reader.skip(2).map_err(|error| read_error(index, &error))?;
+                // The strict pass stops at the first unknown key, and its error quotes the
+                // key: one that is not UTF-8 fails there as malformed.
+                if unknown.is_empty() && std::str::from_utf8(key).is_err() {
+                    return Err(malformed_event(index, ReadError::Utf8));
+                }
+                if !unknown.contains(&key) {
+                    unknown.push(key);
+                }
+                reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
             }
         }
     }
-    if let Some(missing) = names[..required].iter().position(|name| !builder.has(name)) {
+    if let Some(missing) = names[..required].iter().find(|name| !builder.has(name)) {
         return Err(event_error(
             index,
             "event",
-            format!("Object missing required field `{}`", names[missing]),
+            format!("Object missing required field `{missing}`"),
         ));
+    }
+    if !unknown.is_empty() {
+        check_generic(index, raw)?;
     }
     Ok(Decoded {
         event: builder.finish(index)?,
         array: false,
-        unknown,
-        unknown_not_nil: unknown,
+        unknown: unknown.len() as u64,
+        fast: unknown.is_empty(),
     })
 }
 
@@ -448,19 +563,17 @@ impl<'a> EventBuilder<'a> {
         if let Some(bit) = names.iter().position(|known| *known == name) {
             self.seen |= 1 << bit;
         }
-        let at = At {
-            event,
-            field: name,
-            element: None,
-        };
+        let at = At::new(event, name);
         let item_start = reader.position();
-        let item = reader.item().map_err(|error| read_error(event, &error))?;
+        let item = reader
+            .lax()
+            .map_err(|error| malformed_event(event, error))?;
         let stored = &mut self.stored;
         match name {
             "block_hashes" => stored.hashes = hash_list(&at, item, reader, arena)?,
             "parent_block_hash" => {
                 stored.parent = match item {
-                    Item::Nil => None,
+                    Lax::Item(Item::Nil) => None,
                     other => Some(hash(&at, other, "int | bytes | null")?),
                 }
             }
@@ -512,30 +625,30 @@ impl<'a> EventBuilder<'a> {
     }
 }
 
-fn hash(at: &At<'_>, item: Item<'_>, what: &str) -> Result<u64, SchemaError> {
+fn hash(at: &At<'_>, item: Lax<'_>, what: &str) -> Result<u64, SchemaError> {
     match item {
-        Item::UInt(value) => Ok(value),
-        Item::NegInt(value) => Ok(value as u64),
-        Item::Bin(bytes) => Ok(crate::hashing::engine_hash_bytes(bytes)),
+        Lax::Item(Item::UInt(value)) => Ok(value),
+        Lax::Item(Item::NegInt(value)) => Ok(value as u64),
+        Lax::Item(Item::Bin(bytes)) => Ok(crate::hashing::engine_hash_bytes(bytes)),
         other => Err(at.error(expected(what, &other))),
     }
 }
 
 fn hash_list(
     at: &At<'_>,
-    item: Item<'_>,
+    item: Lax<'_>,
     reader: &mut Reader<'_>,
     arena: &mut Arena,
 ) -> Result<Range<usize>, SchemaError> {
-    let Item::Array(len) = item else {
+    let Lax::Item(Item::Array(len)) = item else {
         return Err(at.error(expected("array", &item)));
     };
     let start = arena.hashes.len();
-    arena.hashes.reserve(len);
+    arena.hashes.reserve(len.min(reader.left()));
     for element in 0..len {
         let item = reader
-            .item()
-            .map_err(|error| read_error(at.event, &error))?;
+            .lax()
+            .map_err(|error| malformed_event(at.event, error))?;
         arena
             .hashes
             .push(hash(&at.at(element), item, "int | bytes")?);
@@ -543,42 +656,42 @@ fn hash_list(
     Ok(start..arena.hashes.len())
 }
 
-fn token(at: &At<'_>, item: Item<'_>) -> Result<u32, SchemaError> {
+fn token(at: &At<'_>, item: Lax<'_>) -> Result<u32, SchemaError> {
     match item {
-        Item::UInt(value) if value <= U32_MAX => Ok(value as u32),
-        Item::UInt(_) => Err(at.error(format!("Expected `int` <= {U32_MAX}"))),
-        Item::NegInt(_) => Err(at.error("Expected `int` >= 0")),
+        Lax::Item(Item::UInt(value)) if value <= U32_MAX => Ok(value as u32),
+        Lax::Item(Item::UInt(_)) => Err(at.error(format!("Expected `int` <= {U32_MAX}"))),
+        Lax::Item(Item::NegInt(_)) => Err(at.error("Expected `int` >= 0")),
         other => Err(at.error(expected("int", &other))),
     }
 }
 
 fn token_list(
     at: &At<'_>,
-    item: Item<'_>,
+    item: Lax<'_>,
     reader: &mut Reader<'_>,
     arena: &mut Arena,
 ) -> Result<Range<usize>, SchemaError> {
-    let Item::Array(len) = item else {
+    let Lax::Item(Item::Array(len)) = item else {
         return Err(at.error(expected("array", &item)));
     };
     let start = arena.tokens.len();
-    arena.tokens.reserve(len);
+    arena.tokens.reserve(len.min(reader.left()));
     for element in 0..len {
         let item = reader
-            .item()
-            .map_err(|error| read_error(at.event, &error))?;
+            .lax()
+            .map_err(|error| malformed_event(at.event, error))?;
         arena.tokens.push(token(&at.at(element), item)?);
     }
     Ok(start..arena.tokens.len())
 }
 
 /// A field declared as a non-negative 32-bit int (`nullable`: or nil).
-fn u32_field(at: &At<'_>, item: Item<'_>, nullable: bool) -> Result<Option<u32>, SchemaError> {
+fn u32_field(at: &At<'_>, item: Lax<'_>, nullable: bool) -> Result<Option<u32>, SchemaError> {
     match item {
-        Item::Nil if nullable => Ok(None),
-        Item::UInt(value) if value <= U32_MAX => Ok(Some(value as u32)),
-        Item::UInt(_) => Err(at.error(format!("Expected `int` <= {U32_MAX}"))),
-        Item::NegInt(_) => Err(at.error("Expected `int` >= 0")),
+        Lax::Item(Item::Nil) if nullable => Ok(None),
+        Lax::Item(Item::UInt(value)) if value <= U32_MAX => Ok(Some(value as u32)),
+        Lax::Item(Item::UInt(_)) => Err(at.error(format!("Expected `int` <= {U32_MAX}"))),
+        Lax::Item(Item::NegInt(_)) => Err(at.error("Expected `int` >= 0")),
         other => Err(at.error(expected(
             if nullable { "int | null" } else { "int" },
             &other,
@@ -586,49 +699,54 @@ fn u32_field(at: &At<'_>, item: Item<'_>, nullable: bool) -> Result<Option<u32>,
     }
 }
 
-fn opt_int(at: &At<'_>, item: Item<'_>) -> Result<Option<i128>, SchemaError> {
+fn opt_int(at: &At<'_>, item: Lax<'_>) -> Result<Option<i128>, SchemaError> {
     match item {
-        Item::Nil => Ok(None),
-        Item::UInt(value) => Ok(Some(i128::from(value))),
-        Item::NegInt(value) => Ok(Some(i128::from(value))),
+        Lax::Item(Item::Nil) => Ok(None),
+        Lax::Item(Item::UInt(value)) => Ok(Some(i128::from(value))),
+        Lax::Item(Item::NegInt(value)) => Ok(Some(i128::from(value))),
         other => Err(at.error(expected("int | null", &other))),
     }
 }
 
-fn opt_str<'a>(at: &At<'_>, item: Item<'a>) -> Result<Option<&'a str>, SchemaError> {
+fn opt_str<'a>(at: &At<'_>, item: Lax<'a>) -> Result<Option<&'a str>, SchemaError> {
     match item {
-        Item::Nil => Ok(None),
-        Item::Str(value) => Ok(Some(value)),
+        Lax::Item(Item::Nil) => Ok(None),
+        Lax::Str(_) => match item.str() {
+            Some(Ok(value)) => Ok(Some(value)),
+            _ => Err(malformed_event(at.event, ReadError::Utf8)),
+        },
         other => Err(at.error(expected("str | null", &other))),
     }
 }
 
-/// `list[list[Any] | None] | None`: kept as msgpack, read again where it matters.
+/// `list[list[Any] | None] | None`: checked as msgspec decodes it, kept as msgpack.
 fn extra_keys<'a>(
     at: &At<'_>,
-    item: Item<'_>,
+    item: Lax<'_>,
     header: usize,
     reader: &mut Reader<'a>,
 ) -> Result<Option<&'a [u8]>, SchemaError> {
     let len = match item {
-        Item::Nil => return Ok(None),
-        Item::Array(len) => len,
+        Lax::Item(Item::Nil) => return Ok(None),
+        Lax::Item(Item::Array(len)) => len,
         other => return Err(at.error(expected("array | null", &other))),
     };
+    let mut path = Vec::new();
     for element in 0..len {
+        let inner = at.at(element);
         match reader
-            .item()
-            .map_err(|error| read_error(at.event, &error))?
+            .lax()
+            .map_err(|error| malformed_event(at.event, error))?
         {
-            Item::Nil => {}
-            Item::Array(keys) => {
-                for _ in 0..keys {
-                    reader
-                        .skip(4)
-                        .map_err(|error| read_error(at.event, &error))?;
+            Lax::Item(Item::Nil) => {}
+            Lax::Item(Item::Array(keys)) => {
+                for key in 0..keys {
+                    // Keys are `Any`: generic values, errors located below the key.
+                    generic(reader, &mut path, EVENT_DEPTH + 3)
+                        .map_err(|error| inner.at(key).generic_error(error))?;
                 }
             }
-            other => return Err(at.at(element).error(expected("array | null", &other))),
+            other => return Err(inner.error(expected("array | null", &other))),
         }
     }
     Ok(Some(reader.since(header)))
@@ -637,31 +755,226 @@ fn extra_keys<'a>(
 /// `list[list[TokenId]] | None`, checked and kept as msgpack.
 fn lookahead<'a>(
     at: &At<'_>,
-    item: Item<'_>,
+    item: Lax<'_>,
     header: usize,
     reader: &mut Reader<'a>,
 ) -> Result<Option<&'a [u8]>, SchemaError> {
     let len = match item {
-        Item::Nil => return Ok(None),
-        Item::Array(len) => len,
+        Lax::Item(Item::Nil) => return Ok(None),
+        Lax::Item(Item::Array(len)) => len,
         other => return Err(at.error(expected("array | null", &other))),
     };
     for element in 0..len {
         let inner = at.at(element);
         match reader
-            .item()
-            .map_err(|error| read_error(at.event, &error))?
+            .lax()
+            .map_err(|error| malformed_event(at.event, error))?
         {
-            Item::Array(tokens) => {
-                for _ in 0..tokens {
+            Lax::Item(Item::Array(tokens)) => {
+                for position in 0..tokens {
                     let item = reader
-                        .item()
-                        .map_err(|error| read_error(at.event, &error))?;
-                    token(&inner, item)?;
+                        .lax()
+                        .map_err(|error| malformed_event(at.event, error))?;
+                    token(&inner.at(position), item)?;
                 }
             }
             other => return Err(inner.error(expected("array", &other))),
         }
     }
     Ok(Some(reader.since(header)))
+}
+
+/// One step of the path msgspec reports below a generic value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Segment {
+    Index(usize),
+    /// A map's value (`[...]` in msgspec's paths).
+    Value,
+    /// Inside a map's key.
+    Key,
+}
+
+/// Why a generic decoding fails: malformed input (msgspec's `DecodeError`), or a timestamp
+/// extension that is no datetime (its `ValidationError`, with the path to it).
+#[derive(Debug)]
+enum GenericError {
+    Malformed(&'static str),
+    Timestamp {
+        text: &'static str,
+        path: Vec<Segment>,
+    },
+}
+
+/// Checks one value as msgspec decodes a value of type `Any` (`msgspec.msgpack.decode`):
+/// strings must be UTF-8, a timestamp extension (type -1) a valid datetime, and map keys
+/// hashable (arrays of hashable items, scalars, but no map and no other extension). Returns
+/// whether the value would be hashable. `depth` containers enclose it.
+fn generic(
+    reader: &mut Reader<'_>,
+    path: &mut Vec<Segment>,
+    depth: usize,
+) -> Result<bool, GenericError> {
+    let malformed = |error: ReadError| {
+        GenericError::Malformed(match error {
+            ReadError::Truncated => "input data was truncated",
+            ReadError::BadMarker(_) => "invalid opcode",
+            ReadError::Utf8 => "invalid utf-8",
+            ReadError::TooDeep => "nesting too deep",
+        })
+    };
+    let item = reader.lax().map_err(malformed)?;
+    if depth >= MAX_DEPTH && matches!(item, Lax::Item(Item::Array(_) | Item::Map(_))) {
+        return Err(malformed(ReadError::TooDeep));
+    }
+    Ok(match item {
+        Lax::Str(bytes) => {
+            std::str::from_utf8(bytes).map_err(|_| malformed(ReadError::Utf8))?;
+            true
+        }
+        Lax::Item(Item::Ext(-1, data)) => {
+            if let Err(text) = timestamp(data) {
+                return Err(GenericError::Timestamp {
+                    text,
+                    path: path.clone(),
+                });
+            }
+            true
+        }
+        Lax::Item(Item::Ext(..)) => false,
+        Lax::Item(Item::Array(len)) => {
+            let mut hashable = true;
+            for index in 0..len {
+                path.push(Segment::Index(index));
+                hashable &= generic(reader, path, depth + 1)?;
+                path.pop();
+            }
+            hashable
+        }
+        Lax::Item(Item::Map(len)) => {
+            for _ in 0..len {
+                path.push(Segment::Key);
+                let hashable = generic(reader, path, depth + 1)?;
+                path.pop();
+                path.push(Segment::Value);
+                generic(reader, path, depth + 1)?;
+                path.pop();
+                if !hashable {
+                    return Err(GenericError::Malformed("map keys must be hashable"));
+                }
+            }
+            false
+        }
+        Lax::Item(_) => true,
+    })
+}
+
+/// Whether a msgpack timestamp's data is a datetime msgspec can make: 4, 8 or 12 bytes,
+/// nanoseconds below a second, and within years 1 to 9999 once rounded to microseconds.
+fn timestamp(data: &[u8]) -> Result<(), &'static str> {
+    const MIN: i64 = -62_135_596_800;
+    const MAX: i64 = 253_402_300_800;
+    let word = |bytes: &[u8]| bytes.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b));
+    let (seconds, nanos) = match data.len() {
+        4 => (word(data) as i64, 0),
+        8 => {
+            let value = word(data);
+            ((value & 0x3_ffff_ffff) as i64, value >> 34)
+        }
+        12 => (word(&data[4..]) as i64, word(&data[..4])),
+        _ => return Err("Invalid MessagePack timestamp"),
+    };
+    if nanos > 999_999_999 {
+        return Err("Invalid MessagePack timestamp: nanoseconds out of range");
+    }
+    if !(MIN..=MAX).contains(&seconds) {
+        return Err("Timestamp is out of range");
+    }
+    let carry = i64::from((nanos + 500) / 1000 == 1_000_000);
+    if seconds + carry >= MAX {
+        return Err("Timestamp is out of range");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEAD: &str = "93cb0000000000000000";
+
+    fn payload(hex: &str) -> Vec<u8> {
+        let digits: Vec<u8> = hex.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
+        digits
+            .chunks(2)
+            .map(|pair| u8::from_str_radix(std::str::from_utf8(pair).unwrap(), 16).unwrap())
+            .collect()
+    }
+
+    fn error_at(hex: &str) -> (Option<usize>, Option<String>) {
+        let bytes = payload(hex);
+        let error = decode(&bytes, &mut Arena::default()).unwrap_err();
+        (error.event_index, error.field)
+    }
+
+    #[test]
+    fn nesting_fails_inside_its_event_before_anything_else() {
+        let deep = format!("93c3 92c0 {} c0 c0", "91".repeat(63));
+        assert_eq!(error_at(&deep), (Some(1), None));
+        let at_limit = format!("{HEAD} 91 {} c0 c0", "91".repeat(62));
+        assert_eq!(error_at(&at_limit), (Some(0), Some("type".into())));
+        let in_rank = format!("{HEAD} 90 {} c0", "91".repeat(64));
+        assert_eq!(error_at(&in_rank), (None, None));
+    }
+
+    #[test]
+    fn the_first_problem_in_wire_order_wins() {
+        // block_hashes is a str (a type error, its bytes unchecked), then medium is not UTF-8.
+        let hashes_first = format!(
+            "{HEAD} 91 83 a474797065 ac426c6f636b52656d6f766564 \
+             ac626c6f636b5f686173686573 a1ff a66d656469756d a1ff c0"
+        );
+        assert_eq!(
+            error_at(&hashes_first),
+            (Some(0), Some("block_hashes".into()))
+        );
+        let medium_first = format!(
+            "{HEAD} 91 83 a474797065 ac426c6f636b52656d6f766564 \
+             a66d656469756d a1ff ac626c6f636b5f686173686573 a178 c0"
+        );
+        assert_eq!(error_at(&medium_first), (Some(0), None));
+    }
+
+    #[test]
+    fn unknown_fields_are_read_generically() {
+        let cleared = "b0416c6c426c6f636b73436c6561726564";
+        // An unknown array position that is not UTF-8, an unhashable key in one.
+        assert_eq!(
+            error_at(&format!("{HEAD} 91 92 {cleared} a1ff c0")),
+            (Some(0), None)
+        );
+        let unhashable = format!("{HEAD} 91 92 {cleared} 81 8101 01 01 c0");
+        assert_eq!(error_at(&unhashable), (Some(0), None));
+        // Unknown map keys count once each.
+        let twice = payload(&format!(
+            "{HEAD} 91 83 a474797065 {cleared} a178 01 a178 02 c0"
+        ));
+        assert_eq!(
+            decode(&twice, &mut Arena::default())
+                .unwrap()
+                .unknown_fields,
+            1
+        );
+    }
+
+    #[test]
+    fn timestamps_follow_msgspec() {
+        assert!(timestamp(&[0, 0, 0, 1]).is_ok());
+        assert!(timestamp(&[0]).is_err());
+        let mut last = [0u8; 12];
+        last[4..].copy_from_slice(&253_402_300_799i64.to_be_bytes());
+        assert!(timestamp(&last).is_ok());
+        // 999999500 ns round up to the next second: year 10000.
+        last[..4].copy_from_slice(&999_999_500u32.to_be_bytes());
+        assert!(timestamp(&last).is_err());
+    }
 }

@@ -6,9 +6,11 @@
 
 use std::fmt;
 
-/// The deepest nesting any payload may have. Real payloads nest at most four levels (batch,
-/// events, event, extra keys); anything deeper is refused before it can exhaust a stack.
-pub const MAX_DEPTH: usize = 32;
+/// The deepest nesting of arrays and maps any payload may have, the outermost value being level
+/// 1: `kvbridge.schemas.vllm.MAX_NESTING`. Real payloads nest at most six levels (batch, events,
+/// event, extra keys, a block's keys, an `(identifier, offset)` pair); anything deeper is refused
+/// before it can exhaust a stack.
+pub const MAX_DEPTH: usize = 64;
 
 /// Why bytes are not the msgpack they should be.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +66,33 @@ impl Item<'_> {
             Item::Array(_) => "array",
             Item::Map(_) => "object",
             Item::Ext(..) => "ext",
+        }
+    }
+}
+
+/// One item read the way msgspec reads a value before it knows the type it wants: a string's
+/// bytes are not checked for UTF-8 yet, and a container's length is not checked against the
+/// bytes left (its items are read, or fail, one by one).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Lax<'a> {
+    Str(&'a [u8]),
+    Item(Item<'a>),
+}
+
+impl<'a> Lax<'a> {
+    /// The type name msgspec uses in its errors.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Lax::Str(_) => "str",
+            Lax::Item(item) => item.type_name(),
+        }
+    }
+
+    /// The string, checked for UTF-8; `None` if not a string.
+    pub fn str(&self) -> Option<Result<&'a str, ReadError>> {
+        match self {
+            Lax::Str(bytes) => Some(std::str::from_utf8(bytes).map_err(|_| ReadError::Utf8)),
+            Lax::Item(_) => None,
         }
     }
 }
@@ -135,26 +164,46 @@ impl<'a> Reader<'a> {
         Ok(items)
     }
 
-    fn string(&mut self, len: usize) -> Result<Item<'a>, ReadError> {
-        let bytes = self.take(len)?;
-        std::str::from_utf8(bytes)
-            .map(Item::Str)
-            .map_err(|_| ReadError::Utf8)
-    }
-
     fn ext(&mut self, len: usize) -> Result<Item<'a>, ReadError> {
         let kind = self.byte()? as i8;
         Ok(Item::Ext(kind, self.take(len)?))
     }
 
-    /// Reads one item; a container's items are left for the following calls.
+    /// The bytes left after the cursor.
+    pub fn left(&self) -> usize {
+        self.data.len() - self.pos
+    }
+
+    /// Reads one item; a container's items are left for the following calls. A container
+    /// longer than the bytes left could hold is [`ReadError::Truncated`] at once.
     pub fn item(&mut self) -> Result<Item<'a>, ReadError> {
+        match self.read(true)? {
+            Lax::Str(bytes) => std::str::from_utf8(bytes)
+                .map(Item::Str)
+                .map_err(|_| ReadError::Utf8),
+            Lax::Item(item) => Ok(item),
+        }
+    }
+
+    /// Reads one item as msgspec does before it checks the item's type: see [`Lax`].
+    pub fn lax(&mut self) -> Result<Lax<'a>, ReadError> {
+        self.read(false)
+    }
+
+    fn read(&mut self, bounded: bool) -> Result<Lax<'a>, ReadError> {
         let marker = self.byte()?;
-        Ok(match marker {
+        let container = |reader: &mut Self, items: usize, per_item: usize| {
+            if bounded {
+                reader.container(items, per_item)
+            } else {
+                Ok(items)
+            }
+        };
+        Ok(Lax::Item(match marker {
             0x00..=0x7f => Item::UInt(u64::from(marker)),
-            0x80..=0x8f => Item::Map(self.container(usize::from(marker & 0x0f), 2)?),
-            0x90..=0x9f => Item::Array(self.container(usize::from(marker & 0x0f), 1)?),
-            0xa0..=0xbf => self.string(usize::from(marker & 0x1f))?,
+            0x80..=0x8f => Item::Map(container(self, usize::from(marker & 0x0f), 2)?),
+            0x90..=0x9f => Item::Array(container(self, usize::from(marker & 0x0f), 1)?),
+            0xa0..=0xbf => return Ok(Lax::Str(self.take(usize::from(marker & 0x1f))?)),
             0xc0 => Item::Nil,
             0xc1 => return Err(ReadError::BadMarker(marker)),
             0xc2 => Item::Bool(false),
@@ -178,32 +227,34 @@ impl<'a> Reader<'a> {
             0xd2 => int(i64::from(i32::from_be_bytes(self.be()?))),
             0xd3 => int(i64::from_be_bytes(self.be()?)),
             0xd4..=0xd8 => self.ext(1 << (marker - 0xd4))?,
-            0xd9 => {
-                let len = self.length(1)?;
-                self.string(len)?
-            }
-            0xda => {
-                let len = self.length(2)?;
-                self.string(len)?
-            }
-            0xdb => {
-                let len = self.length(4)?;
-                self.string(len)?
+            0xd9..=0xdb => {
+                let len = self.length(1 << (marker - 0xd9))?;
+                return Ok(Lax::Str(self.take(len)?));
             }
             0xdc | 0xdd => {
                 let len = self.length(if marker == 0xdc { 2 } else { 4 })?;
-                Item::Array(self.container(len, 1)?)
+                Item::Array(container(self, len, 1)?)
             }
             0xde | 0xdf => {
                 let len = self.length(if marker == 0xde { 2 } else { 4 })?;
-                Item::Map(self.container(len, 2)?)
+                Item::Map(container(self, len, 2)?)
             }
             0xe0..=0xff => Item::NegInt(i64::from(marker as i8)),
-        })
+        }))
     }
 
-    /// Skips one complete value, checking strings and nesting, `depth` levels below the top.
+    /// Skips one complete value, checking strings and nesting; `depth` containers enclose it.
     pub fn skip(&mut self, depth: usize) -> Result<(), ReadError> {
+        self.skip_value(depth, true)
+    }
+
+    /// Skips one complete value as msgspec skips one: its structure and nesting are checked,
+    /// its strings are not; `depth` containers enclose it.
+    pub fn skip_lax(&mut self, depth: usize) -> Result<(), ReadError> {
+        self.skip_value(depth, false)
+    }
+
+    fn skip_value(&mut self, depth: usize, strings: bool) -> Result<(), ReadError> {
         // An explicit stack of items left per open container: no recursion.
         let mut pending: Vec<usize> = Vec::new();
         let mut left = 1usize;
@@ -215,9 +266,12 @@ impl<'a> Reader<'a> {
                 }
             }
             left -= 1;
-            let items = match self.item()? {
-                Item::Array(len) => len,
-                Item::Map(len) => len * 2,
+            let items = match self.read(true)? {
+                Lax::Item(Item::Array(len)) => len,
+                Lax::Item(Item::Map(len)) => len * 2,
+                Lax::Str(bytes) if strings && std::str::from_utf8(bytes).is_err() => {
+                    return Err(ReadError::Utf8)
+                }
                 _ => continue,
             };
             // The container just opened is nested this many levels deep, itself included.
@@ -236,6 +290,58 @@ impl<'a> Reader<'a> {
         let start = self.pos;
         self.skip(depth)?;
         Ok(self.since(start))
+    }
+
+    /// Skips one value as [`Reader::skip_lax`] does and returns its bytes.
+    pub fn raw_lax(&mut self, depth: usize) -> Result<&'a [u8], ReadError> {
+        let start = self.pos;
+        self.skip_lax(depth)?;
+        Ok(self.since(start))
+    }
+}
+
+/// Where the first array or map nested deeper than [`MAX_DEPTH`] opens, found from the headers
+/// alone without recursion: for each enclosing container, outermost first, the position of the
+/// item in it (a map counts its keys and values) and whether it is a map. `None` if nothing
+/// nests that deep, or if the bytes are malformed or end first.
+///
+/// The walk reads one value, as `kvbridge.schemas.vllm._too_deep` does: a container's length
+/// is not checked against the bytes left, and a container past the limit is refused as soon
+/// as its first byte is read.
+pub fn too_deep(data: &[u8]) -> Option<Vec<(usize, bool)>> {
+    // (item count, is a map, items left) of each open container, outermost first.
+    let mut open: Vec<(usize, bool, usize)> = Vec::new();
+    let mut root_left = 1usize;
+    let mut reader = Reader::new(data);
+    loop {
+        let left = match open.last_mut() {
+            Some((_, _, left)) => left,
+            None => &mut root_left,
+        };
+        if *left == 0 {
+            open.pop()?;
+            continue;
+        }
+        *left -= 1;
+        let marker = reader.peek()?;
+        let is_map = matches!(marker, 0x80..=0x8f | 0xde | 0xdf);
+        if is_map || matches!(marker, 0x90..=0x9f | 0xdc | 0xdd) {
+            if open.len() >= MAX_DEPTH {
+                let path = open
+                    .iter()
+                    .map(|&(count, is_map, left)| (count - left - 1, is_map))
+                    .collect();
+                return Some(path);
+            }
+            let items = match reader.read(false).ok()? {
+                Lax::Item(Item::Array(len)) => len,
+                Lax::Item(Item::Map(len)) => len.checked_mul(2)?,
+                _ => unreachable!("a container marker"),
+            };
+            open.push((items, is_map, items));
+        } else {
+            reader.read(false).ok()?;
+        }
     }
 }
 
@@ -364,6 +470,37 @@ mod tests {
         let mut reader = Reader::new(&ok);
         reader.skip(0).unwrap();
         assert!(reader.is_empty());
+    }
+
+    #[test]
+    fn lax_reads_leave_strings_and_lengths_unchecked() {
+        assert_eq!(Reader::new(&[0xa1, 0xff]).lax(), Ok(Lax::Str(&[0xff])));
+        assert_eq!(
+            Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff]).lax(),
+            Ok(Lax::Item(Item::Array(u32::MAX as usize)))
+        );
+        let mut reader = Reader::new(&[0x92, 0xa1, 0xff, 0xc0]);
+        reader.skip_lax(0).unwrap();
+        assert!(reader.is_empty());
+        assert_eq!(
+            Reader::new(&[0x92, 0xa1, 0xff, 0xc0]).skip(0),
+            Err(ReadError::Utf8)
+        );
+    }
+
+    #[test]
+    fn too_deep_locates_the_first_container_past_the_limit() {
+        let mut deep = vec![0x93, 0x00, 0x92, 0xc0];
+        deep.extend(std::iter::repeat_n(0x91, MAX_DEPTH - 1));
+        let path = too_deep(&deep).unwrap();
+        assert_eq!(path.len(), MAX_DEPTH);
+        assert_eq!(&path[..2], &[(1, false), (1, false)]);
+        deep.truncate(deep.len() - 1);
+        deep.push(0xc0);
+        assert_eq!(too_deep(&deep), None);
+        // Truncated or malformed before the limit: no answer.
+        assert_eq!(too_deep(&[0x91, 0x91, 0xdc]), None);
+        assert_eq!(too_deep(&[0x92, 0xc1, 0x91]), None);
     }
 
     #[test]
