@@ -249,7 +249,8 @@ def _check_uses(args: argparse.Namespace, uses: list[_Use]) -> None:
 
 
 def _endpoint(flag: str) -> Callable[[str], Endpoint]:
-    """The argparse type of an endpoint argument."""
+    """The argparse type of an endpoint argument: ``--source``, ``--source-replay``, the relay's
+    ``--publish`` and ``--publish-replay``, or ``replay --publish``."""
 
     def parse(text: str) -> Endpoint:
         try:
@@ -266,7 +267,7 @@ def _endpoint(flag: str) -> Callable[[str], Endpoint]:
                 f"kvbridge always connects to a replay endpoint (the engine binds it): "
                 f"drop bind: ({text!r})"
             )
-        if flag in ("--publish", "--publish-replay") and endpoint.mode == "connect":
+        if flag in ("relay --publish", "--publish-replay") and endpoint.mode == "connect":
             raise argparse.ArgumentTypeError(
                 f"the relay always binds its outputs (Dynamo connects to them): "
                 f"drop connect: ({text!r})"
@@ -654,7 +655,7 @@ def _parser() -> argparse.ArgumentParser:
     relay.add_argument(
         "--publish",
         required=True,
-        type=_endpoint("--publish"),
+        type=_endpoint("relay --publish"),
         metavar="ENDPOINT",
         help="PUB endpoint of the 1st source's canonical stream (always bound)",
     )
@@ -699,7 +700,7 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--publish",
         required=True,
-        type=_endpoint("--publish"),
+        type=_endpoint("replay --publish"),
         metavar="ENDPOINT",
         help="PUB endpoint of the 1st stream, bound or connected as a vLLM engine would "
         "(a wildcard host binds, any other address connects), or as bind:/connect: says",

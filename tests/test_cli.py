@@ -441,6 +441,16 @@ def test_missing_file_is_one_line_and_exit_2(args: list[str]) -> None:
     assert result.returncode == 2
 
 
+def test_demo_of_a_capture_without_block_size_is_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "nameless.kvcap"
+    CaptureWriter(path).close()
+    result = kvbridge("demo", str(path))
+    assert result.stderr.splitlines() == [
+        "kvbridge demo: error: the capture names no block size; pass --block-size"
+    ]
+    assert result.returncode == 2
+
+
 def test_directory_for_a_file_is_exit_2(tmp_path: Path) -> None:
     result = kvbridge("record", "--source", "tcp://*:5557", "--out", str(tmp_path))
     assert result.stderr.splitlines() == [f"kvbridge record: error: {tmp_path}: Is a directory"]
@@ -596,6 +606,29 @@ def test_both_sides_connecting_is_reported_by_both() -> None:
         out.rstrip("\n").splitlines()[-3]
         == "batches 0 | gaps 0 | replays 0 (recovered 0) | lost 0 | restarts 0"
     )
+
+
+def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path) -> None:
+    """``replay --publish bind:tcp://127.0.0.1:P`` binds (vLLM's rule would connect), and
+    ``record --source connect:tcp://127.0.0.1:P`` connects to it."""
+    port = free_low_ports(2)
+    out = tmp_path / "again.kvcap"
+    record = start(
+        "record",
+        "--source", f"connect:tcp://127.0.0.1:{port}", "--worker-id", "1",
+        "--source", f"connect:tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        "--out", str(out), "--count", "7", "--duration", "30",
+    )  # fmt: skip
+    try:
+        replay = kvbridge(
+            "replay", str(SAMPLE), "--publish", f"bind:tcp://127.0.0.1:{port}", "--pace", "max"
+        )
+    finally:
+        code, _, err = finish(record)
+    assert replay.returncode == 0, replay.stderr
+    assert f"subscribe with: --source connect:tcp://127.0.0.1:{port} --worker-id 1" in replay.stderr
+    assert code == 0, err
+    assert len(list(CaptureReader(out))) == 7
 
 
 def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
