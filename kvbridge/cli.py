@@ -550,8 +550,11 @@ def _serve_metrics(
     if args.metrics_port is not None:
         try:
             serve_metrics(args.metrics_port, relay=relay, subscriber=subscriber)
-        except RuntimeError as error:  # the metrics extra is missing
-            raise MissingExtra(str(error)) from None
+        except RuntimeError:  # prometheus-client is missing
+            raise MissingExtra(
+                "--metrics-port needs prometheus-client, the extra 'metrics': pip install "
+                "prometheus-client (or, in a clone, pip install '.[metrics]')"
+            ) from None
         except OSError as error:
             raise _UsageError(
                 f"argument --metrics-port: cannot bind 127.0.0.1:{args.metrics_port}: "

@@ -765,3 +765,45 @@ def test_watch_prints_columns_and_no_lag_for_a_replay() -> None:
         "bad frames: none",
         "not forwarded: none",
     ]
+
+
+def without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvbridge ARGS`` with ``module`` impossible to import."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        "from kvbridge.cli import main\n"
+        f"sys.exit(main({list(args)!r}))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=TIMEOUT
+    )
+
+
+def test_a_missing_extra_is_named() -> None:
+    result = without("rich", "watch", "--source", "tcp://*:5557", "--block-size", "4")
+    assert result.stderr.splitlines() == [
+        "kvbridge watch: error: kvbridge watch needs rich, its extra 'watch': pip install rich "
+        "(or, in a clone, pip install '.[watch]')"
+    ]
+    assert result.returncode == 2
+    port = free_low_ports(1)
+    metrics = without(
+        "prometheus_client", "record", "--source", "tcp://*:5557", "--out", "/dev/null",
+        "--metrics-port", str(port),
+    )  # fmt: skip
+    assert metrics.stderr.splitlines() == [
+        "kvbridge record: error: --metrics-port needs prometheus-client, the extra 'metrics': "
+        "pip install prometheus-client (or, in a clone, pip install '.[metrics]')"
+    ]
+    assert metrics.returncode == 2
+
+
+# --------------------------------------------------------------------------- 6. set-up
+
+
+def test_readme_installs_from_a_clone_or_a_wheel() -> None:
+    """kvbridge is on no registry: the README must not send users to ``pip install kvbridge``."""
+    readme = (SAMPLE.parents[2] / "README.md").read_text()
+    assert "pip install kvbridge" not in readme
+    assert "pip install '.[metrics,watch]'" in readme
+    assert "pip wheel --no-deps -w dist ." in readme

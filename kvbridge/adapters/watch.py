@@ -84,8 +84,8 @@ def require_rich() -> None:
         import rich  # noqa: F401
     except ImportError as error:
         raise MissingExtra(
-            "kvbridge watch needs the watch extra: pip install 'kvbridge[watch]' "
-            "(from a clone: pip install '.[watch]')"
+            "kvbridge watch needs rich, its extra 'watch': pip install rich "
+            "(or, in a clone, pip install '.[watch]')"
         ) from error
 
 
