@@ -55,8 +55,10 @@ class Tmux:
 @pytest.fixture
 def tmux(tmp_path: Path) -> Iterator[Tmux]:
     server = Tmux(f"kvbridge-test-{os.getpid()}-{tmp_path.name}")
+    socket: list[Path] = []
     try:
         yield server
+        socket.append(Path(server.run("display-message", "-p", "#{socket_path}").strip()))
     finally:
         subprocess.run(
             ["tmux", "-L", server.name, "kill-server"],
@@ -64,6 +66,8 @@ def tmux(tmp_path: Path) -> Iterator[Tmux]:
             check=False,
             timeout=TIMEOUT,
         )
+        for path in socket:  # the server leaves its socket file behind
+            path.unlink(missing_ok=True)
 
 
 def expected_rows() -> dict[int, list[str]]:
