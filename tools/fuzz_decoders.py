@@ -8,8 +8,7 @@ payloads of :func:`kvbridge.testing.corpus.payload_corpus` through both decoders
 their outcomes: the same batch (ts, dp rank, unknown fields, every event's fields), or the same
 error (batch or event level, event index and field; messages may differ). Prints the number of
 agreements by outcome, the disagreements by outcome pair, and the first disagreements with
-their payloads in hex. Exits 1 if the decoders disagree on any payload, apart from the known
-faults of decode_batch that :func:`known_divergence` recognizes (counted apart).
+their payloads in hex. Exits 1 if the decoders disagree on any payload.
 
 ``tests/test_decode_differential.py`` imports the comparison from here.
 """
@@ -139,42 +138,6 @@ def _array_events(payload: bytes) -> list[msgspec.Raw]:
         return []
 
 
-def _non_fixstr_tag(raw: msgspec.Raw) -> bool:
-    """Whether an array event's tag is a str8/16/32 rather than a fixstr."""
-    view = bytes(raw)
-    if not view or not (0x90 <= view[0] <= 0x9F or view[0] in (0xDC, 0xDD)):
-        return False
-    offset = 1 if view[0] <= 0x9F else 3 if view[0] == 0xDC else 5
-    return len(view) > offset and view[offset] in (0xD9, 0xDA, 0xDB)
-
-
-def known_divergence(payload: bytes, python: Outcome, core: Outcome) -> str | None:
-    """The name of a known fault of ``decode_batch`` that explains a disagreement, if one does.
-
-    - ``unnamed-array-field``: an error in an array event's field is located as ``[3][6]``
-      (position, rest) instead of ``token_ids[6]`` whenever some other value of the event is not
-      generically decodable (a string that is not UTF-8, a bad timestamp, an unhashable map
-      key): ``_field_error`` looks the tag up by decoding the whole event.
-    - ``non-fixstr-tag``: an array event whose tag is a str8/16/32 (not the fixstr msgspec
-      writes) keeps positions past the array era as map-era fields (``locality``, ...), since
-      ``_array_overflow`` only reads fixstr tags; with a fixstr tag they are unknown fields.
-    """
-    if (
-        python[0] == core[0] == "error"
-        and python[1] == core[1]
-        and isinstance(python[2], str)
-        and isinstance(core[2], str)
-        and (match := _POSITION.match(python[2]))
-    ):
-        position, rest = int(match[1]), match[2]
-        for names in (STORED_FIELDS, REMOVED_FIELDS):
-            if 1 <= position <= len(names) and core[2] == names[position - 1] + rest:
-                return "unnamed-array-field"
-    if any(_non_fixstr_tag(raw) for raw in _array_events(payload)):
-        return "non-fixstr-tag"
-    return None
-
-
 def fixture_payloads() -> Iterator[tuple[str, bytes]]:
     """(name, payload) of every payload fixture and every payload frame of the golden
     captures."""
@@ -219,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         yield from labelled_corpus(args.seed, args.count)
 
     agreed: Counter[str] = Counter()
-    known: Counter[str] = Counter()
     disagreed: Counter[tuple[str, str]] = Counter()
     by_kind: Counter[str] = Counter()
     shown: list[str] = []
@@ -231,9 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         if python == core:
             agreed[kind(python)] += 1
             continue
-        if (fault := known_divergence(payload, python, core)) is not None:
-            known[fault] += 1
-            continue
         disagreed[kind(python), kind(core)] += 1
         by_kind[label] += 1
         if len(shown) < args.show:
@@ -243,9 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{total} payloads ({args.count} of corpus seed {args.seed}) in {elapsed:.1f} s")
     print(f"agree: {sum(agreed.values())}")
     for name, count in agreed.most_common():
-        print(f"  {name}: {count}")
-    print(f"known decode_batch faults: {sum(known.values())}")
-    for name, count in known.most_common():
         print(f"  {name}: {count}")
     print(f"disagree: {sum(disagreed.values())}")
     for (python_kind, core_kind), count in disagreed.most_common():

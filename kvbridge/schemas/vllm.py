@@ -344,9 +344,9 @@ _ARRAY_FIELDS: Final = {
 """Array events never carried the map-only fields, so positions past these are unknown."""
 
 
-def _array_overflow(raw: msgspec.Raw) -> int:
-    """How many trailing positions of an array event no release defined, read from the
-    msgpack headers of the array and of its tag (a cheap look at the first bytes)."""
+def _array_header(raw: msgspec.Raw) -> tuple[int, str | None]:
+    """An array event's length and tag, read from the msgpack headers of the array and of its
+    first item (a cheap look at the first bytes); the tag is ``None`` if it is not a string."""
     view = memoryview(raw)
     first = view[0]
     if first <= 0x9F:
@@ -354,10 +354,24 @@ def _array_overflow(raw: msgspec.Raw) -> int:
     else:
         width = 2 if first == 0xDC else 4
         length, offset = int.from_bytes(view[1 : 1 + width], "big"), 1 + width
-    if offset >= len(view) or not 0xA0 <= view[offset] <= 0xBF:
-        return 0  # no fixstr tag: msgspec reports the error
-    tag = bytes(view[offset + 1 : offset + 1 + (view[offset] & 0x1F)]).decode("utf-8", "replace")
-    known = _ARRAY_FIELDS.get(tag)
+    if offset >= len(view):
+        return length, None
+    head = view[offset]
+    if 0xA0 <= head <= 0xBF:
+        size, start = head & 0x1F, offset + 1
+    elif head in (0xD9, 0xDA, 0xDB):
+        width = 1 << (head - 0xD9)
+        size = int.from_bytes(view[offset + 1 : offset + 1 + width], "big")
+        start = offset + 1 + width
+    else:
+        return length, None
+    return length, bytes(view[start : start + size]).decode("utf-8", "replace")
+
+
+def _array_overflow(raw: msgspec.Raw) -> int:
+    """How many trailing positions of an array event no release defined."""
+    length, tag = _array_header(raw)
+    known = _ARRAY_FIELDS.get(tag) if tag is not None else None
     return 0 if known is None else max(0, length - 1 - known)
 
 
@@ -378,10 +392,8 @@ def _field_error(index: int, raw: msgspec.Raw, error: Exception) -> SchemaError:
     field = "event"
     if match := _ARRAY_PATH.match(path):
         position, rest = int(match[1]), match[2]
-        try:
-            tag = _GENERIC.decode(raw)[0]
-        except Exception:  # the tag itself is unreadable: report the position
-            tag = None
+        # From the header: decoding the whole event could fail on some other value.
+        _, tag = _array_header(raw)
         names = _FIELDS_BY_TAG.get(str(tag))
         if position == 0:
             field = "type"
