@@ -7,12 +7,20 @@
   point) provides them as the ``vllm_publisher`` and ``kv_index`` fixtures.
 
 The event types are re-exported for assertions on :attr:`SimulatedEngine.published`.
-Importing this package does not import pytest.
+Importing this package does not import pytest, and the names are imported on first use: pytest
+loads the plugin before a suite's ``conftest.py``, which may still configure Dynamo (its log
+filter, ``DYN_LOG``, is read when Dynamo is first imported).
 """
 
-from kvbridge.adapters.dynamo import Overlap
-from kvbridge.schemas.vllm import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
-from kvbridge.testing.engine import BlockHash, Completion, SimulatedEngine, SyncedIndex
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from kvbridge.schemas import Overlap
+    from kvbridge.schemas.vllm import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
+    from kvbridge.testing.engine import BlockHash, Completion, SimulatedEngine, SyncedIndex
 
 __all__ = [
     "AllBlocksCleared",
@@ -25,3 +33,34 @@ __all__ = [
     "SyncedIndex",
     "VllmBatch",
 ]
+
+_MODULE_OF: Final = {
+    "AllBlocksCleared": "kvbridge.schemas.vllm",
+    "BlockHash": "kvbridge.testing.engine",
+    "BlockRemoved": "kvbridge.schemas.vllm",
+    "BlockStored": "kvbridge.schemas.vllm",
+    "Completion": "kvbridge.testing.engine",
+    "Overlap": "kvbridge.schemas",
+    "SimulatedEngine": "kvbridge.testing.engine",
+    "SyncedIndex": "kvbridge.testing.engine",
+    "VllmBatch": "kvbridge.schemas.vllm",
+}
+
+
+def _import_public_name(name: str) -> object:
+    """Import a public name from its module and keep it here, so it is looked up once."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which read the imports above (see kvbridge/__init__.py).
+    __getattr__ = _import_public_name
