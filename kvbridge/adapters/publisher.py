@@ -58,6 +58,8 @@ END_SEQ: Final[bytes] = b"\xff" * 8
 _MAX_SEQ: Final[int] = 2**64 - 2
 """Largest publishable seq; 2**64 - 1 would be indistinguishable from :data:`END_SEQ`."""
 
+_SNDMORE: Final[int] = int(zmq.SNDMORE)
+
 _REPLAY_POLL_MS: Final[int] = 50
 """How long the background replay thread waits per poll, bounding how fast ``close()`` returns."""
 
@@ -215,7 +217,14 @@ class Publisher:
             self._next_seq = used + 1
             self._buffer.append((used, payload))
         if send:
-            pub.send_multipart((self._topic, used.to_bytes(8, "big"), payload))
+            if type(payload) is bytes:
+                # send_multipart's work without its costs: an IntFlag ``|`` per frame (1.7 us
+                # each) and a buffer check per part, which bytes pass anyway.
+                pub.send(self._topic, _SNDMORE)
+                pub.send(used.to_bytes(8, "big"), _SNDMORE)
+                pub.send(payload)
+            else:  # checked before any frame goes out, as before
+                pub.send_multipart((self._topic, used.to_bytes(8, "big"), payload))
         return used
 
     def send_frames(self, frames: list[bytes]) -> None:

@@ -21,6 +21,12 @@ whose sequence keeps increasing.
 Without a publish endpoint the relay only tracks state (``kvbridge watch``); with an ``index``
 it also feeds an in-process :class:`~kvbridge.adapters.dynamo.TieredIndex`. Both are sinks of
 the pipeline: the index sees every source, each publisher its own.
+
+When a poll brings several batches (a backlog), their canonical payloads are published in
+bursts of up to :data:`PUBLISH_BURST`, in order, and always before :meth:`Relay.step` returns.
+Each message sent alone costs the relay's core a wake-up of ZMQ's I/O thread and a TCP write
+(about 13 us on a 2-core KVM guest); a burst shares them. A batch that arrives alone is
+published as soon as it is normalized, as before.
 """
 
 from __future__ import annotations
@@ -34,14 +40,20 @@ from typing import Final
 import zmq
 
 from kvbridge.adapters.dynamo import TieredIndex
-from kvbridge.adapters.pipeline import IndexSink, PublisherSink, StreamPipeline, WorkerState
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, Subscriber
+from kvbridge.normalizers.batch import NormalizedBatch
 
 __all__ = ["Relay", "offset_endpoint"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 _STOP_TIMEOUT_S: Final = 5.0
+PUBLISH_BURST: Final = 256
+"""Canonical payloads held back at most before they are sent, when batches queue up. At about
+25 us of normalizing each, the first of a burst goes out at most 6.4 ms later than it would
+alone, and the backlog as a whole is out sooner: 41 us a batch against 52 without bursts
+(2,299 queued batches through one core, best of 10 runs each)."""
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
@@ -52,6 +64,20 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     if not sep or not port.isdigit() or not endpoint.startswith("tcp://"):
         raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
     return f"{head}:{int(port) + offset}"
+
+
+class _HeldSink:
+    """A source's output: its canonical payloads, held for the relay to publish in order."""
+
+    __slots__ = ("held", "publisher")
+
+    def __init__(self, publisher: Publisher, held: list[tuple[Publisher, bytes]]) -> None:
+        self.publisher = publisher
+        self.held = held
+
+    def apply(self, batch: NormalizedBatch, source: Source, ts: float, /) -> None:
+        publisher = self.publisher
+        self.held.extend((publisher, payload) for payload in batch.canonical_payloads(ts))
 
 
 class Relay:
@@ -92,6 +118,8 @@ class Relay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.outputs: dict[Source, Publisher] = {}
+        self._held: list[tuple[Publisher, bytes]] = []
+        """Payloads normalized and not yet published, in stream order (see :meth:`step`)."""
         first_seq = time.time_ns() // 1000
         for offset, source in enumerate(sources):
             self.pipeline.add_source(source)
@@ -109,7 +137,7 @@ class Relay:
             if publish_replay:
                 publisher.start_replay_thread()
             self.outputs[source] = publisher
-            self.pipeline.add_source(source, PublisherSink(publisher, self.stats))
+            self.pipeline.add_source(source, _HeldSink(publisher, self._held))
 
     def endpoints(self, source: Source) -> tuple[str, str | None]:
         """The bound publish and replay endpoints that republish ``source``."""
@@ -117,11 +145,32 @@ class Relay:
         return publisher.endpoint, publisher.replay_endpoint
 
     def step(self, timeout_ms: int = 100) -> int:
-        """Process whatever arrives within ``timeout_ms``; returns the number of batches."""
+        """Process whatever arrives within ``timeout_ms``; returns the number of batches.
+
+        Everything it normalized is published before it returns (see :data:`PUBLISH_BURST`).
+        """
         items = self.subscriber.poll(timeout_ms)
-        for item in items:
-            self.pipeline.feed(item)
+        held, feed = self._held, self.pipeline.feed
+        try:
+            for item in items:
+                feed(item)
+                if len(held) >= PUBLISH_BURST:
+                    self._publish_held()
+        finally:
+            self._publish_held()
         return len(items)
+
+    def _publish_held(self) -> None:
+        held = self._held
+        if not held:
+            return
+        stats = self.stats
+        try:
+            for publisher, payload in held:
+                publisher.publish(payload)
+                stats["batches_out"] += 1
+        finally:
+            held.clear()
 
     def run(self, stop: threading.Event, timeout_ms: int = 100) -> None:
         """Relay until ``stop`` is set."""

@@ -44,7 +44,24 @@ __all__ = [
 
 DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+
 log = structlog.get_logger("kvbridge.zmq")
+
+
+def _recv_frames(socket: zmq.Socket[bytes]) -> list[bytes] | None:
+    """``socket.recv_multipart(zmq.NOBLOCK)``, or ``None`` if no message waits, in half the
+    time: pyzmq's version asks for ``RCVMORE`` with a ``getsockopt`` per frame, where a
+    frame knows it (``Frame.more``); the bytes are the same copies."""
+    try:
+        frame = socket.recv(_NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+    frames = [frame.bytes]
+    while frame.more:  # the rest of a multipart message is already there: no Again
+        frame = socket.recv(_NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+    return frames
 
 
 def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
@@ -163,11 +180,7 @@ class Subscriber:
                 out.extend(self._recover(stream, 0, None))
         for socket, _ in self._poller.poll(timeout_ms):
             stream = self._streams[socket]
-            while True:
-                try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            while (frames := _recv_frames(socket)) is not None:
                 out.extend(self._receive(stream, frames))
         return out
 
@@ -199,7 +212,7 @@ class Subscriber:
             self._bad(stream, "bad_seq")
             return None
         seq = int.from_bytes(seq_frame, "big")
-        if any(len(frame) > self.max_frame_bytes for frame in frames):
+        if max(map(len, frames)) > self.max_frame_bytes:
             self._bad(stream, "oversized", seq)
             return None
         return seq
