@@ -34,7 +34,12 @@ export RUSTC_BOOTSTRAP=1
 sanitizer=${KVBRIDGE_FUZZ_SANITIZER:-none}
 flags=(--sanitizer "$sanitizer" --debug-assertions)
 
-cargo fuzz build "${flags[@]}" payload >&2
+build_log=$(mktemp -t fuzz_core_build.XXXXXX.log)
+if ! cargo fuzz build "${flags[@]}" payload >"$build_log" 2>&1; then
+    cat "$build_log" >&2
+    exit 1
+fi
+rm -f "$build_log"
 
 # New inputs go to corpus/payload (ignored by git, kept between runs); seeds/ is read only.
 mkdir -p corpus/payload artifacts/payload
@@ -54,7 +59,6 @@ if [ "$status" -ne 0 ]; then
     ls -1 artifacts/payload >&2 || true
     exit "$status"
 fi
-grep -E '^(Done|stat::)' "$log" || true
 printf 'fuzz_core: %s executions in %s s, no crash (corpus: %s inputs)\n' \
     "${runs:-?}" "$elapsed" "$(find corpus/payload -type f | wc -l)"
 rm -f "$log"
