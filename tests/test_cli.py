@@ -18,6 +18,7 @@ usage or missing file):
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -807,3 +808,26 @@ def test_readme_installs_from_a_clone_or_a_wheel() -> None:
     assert "pip install kvbridge" not in readme
     assert "pip install '.[metrics,watch]'" in readme
     assert "pip wheel --no-deps -w dist ." in readme
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_replay_waiting_for_subscribers_stops_within_a_second_of_a_signal(signum: int) -> None:
+    port = free_low_ports(2)
+    proc = start(
+        "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--wait-subscribers", "30"
+    )
+    try:
+        assert proc.stderr is not None
+        # The plan is logged before the wait for subscribers begins.
+        for line in proc.stderr:
+            if "subscribe with" in line:
+                break
+        time.sleep(0.3)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        proc.wait(timeout=5)
+        assert time.monotonic() - sent < 1.0
+        assert proc.returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()

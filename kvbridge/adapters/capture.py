@@ -215,9 +215,8 @@ def replay_streams(
         ]
         deadline = time.monotonic() + wait_subscribers
         for publisher, result in zip(publishers, results, strict=True):
-            remaining = max(0.0, deadline - time.monotonic())
-            result.subscribed = wait_subscribers > 0 and publisher.wait_for_subscribers(
-                timeout=remaining
+            result.subscribed = wait_subscribers > 0 and _wait_for_subscriber(
+                publisher, deadline, stop
             )
         tagged = [_tagged(index, records) for index, (_, records) in enumerate(streams)]
         ordered = heapq.merge(*tagged, key=lambda item: item[0])
@@ -236,6 +235,23 @@ def replay_streams(
             results[index].sent += 1
         time.sleep(0.1)  # let ZMQ flush before the sockets close (linger is 0)
     return results
+
+
+_STOP_CHECK_S: Final = 0.1
+"""How often a wait for subscribers looks at the stop event: a signal ends it this fast."""
+
+
+def _wait_for_subscriber(
+    publisher: Publisher, deadline: float, stop: threading.Event | None
+) -> bool:
+    """Wait until ``deadline`` for one subscriber, in short slices so that ``stop`` ends it."""
+    while stop is None or not stop.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        if publisher.wait_for_subscribers(timeout=min(_STOP_CHECK_S, remaining)):
+            return True
+    return False
 
 
 def _tagged(index: int, records: Iterable[FrameRecord]) -> Iterator[tuple[int, int, FrameRecord]]:
