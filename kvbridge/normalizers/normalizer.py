@@ -187,6 +187,12 @@ class Normalizer:
             raise ValueError("keep_identities resets one rank: give its dp_rank")
         return NormalizedBatch(self._core.reset_lost(dp_rank))
 
+    def process_snapshot(self, dp_rank: int) -> NormalizedBatch:
+        """Everything a rank holds, for a consumer that knows nothing: a clear of the rank,
+        then a store of every resident block on each tier, parents first. A relay answers a
+        replay request older than its buffer with this, and opens a stream with it."""
+        return NormalizedBatch(self._core.snapshot(dp_rank))
+
     @property
     def reanchored_blocks(self) -> int:
         """Blocks announced again after a loss because a store named them as its ancestors."""

@@ -369,6 +369,61 @@ impl Normalizer {
         out
     }
 
+    /// Everything a rank holds, as a consumer that knows nothing should receive it: a clear of
+    /// the rank, then a store of every resident block on each tier, parents first. For a
+    /// replay request older than any buffer, and for a stream that starts over.
+    pub fn snapshot(&mut self, dp_rank: u32) -> Output {
+        let event_id = self.next_id();
+        let mut out = Output::default();
+        for tier in Tier::ALL {
+            out.events.push(OutEvent {
+                dp_rank,
+                tier,
+                event_id,
+                body: Body::Cleared,
+            });
+        }
+        let Some(rank) = self.ranks.remove(&dp_rank) else {
+            return out;
+        };
+        for tier in Tier::ALL {
+            for slot in rank.resident_on(tier) {
+                self.snapshot_block(&rank, dp_rank, event_id, tier, slot, &mut out);
+            }
+        }
+        self.ranks.insert(dp_rank, rank);
+        out
+    }
+
+    fn snapshot_block(
+        &self,
+        rank: &Rank,
+        dp_rank: u32,
+        event_id: u64,
+        tier: Tier,
+        slot: u32,
+        out: &mut Output,
+    ) {
+        let blocks_start = out.blocks.len();
+        out.blocks
+            .push((rank.canonical(slot), rank.tokens_hash(slot)));
+        let tokens_start = out.tokens.len();
+        rank.read_tokens(slot, &mut out.tokens);
+        let context = self.context_of(rank.context(slot)).clone();
+        out.events.push(OutEvent {
+            dp_rank,
+            tier,
+            event_id,
+            body: Body::Stored {
+                parent: rank.parent(slot),
+                blocks: blocks_start..out.blocks.len(),
+                tokens: tokens_start..out.tokens.len(),
+                lora_name: context.lora_name,
+                cache_salt: context.cache_salt,
+            },
+        });
+    }
+
     /// The ranks seen, sorted.
     pub fn dp_ranks(&self) -> Vec<u32> {
         let mut ranks = self.rank_order.clone();

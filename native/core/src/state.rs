@@ -441,6 +441,51 @@ impl Rank {
         }
     }
 
+    /// The blocks resident on `tier`, parents before their children (by depth in the chain of
+    /// blocks resident there), oldest first at each depth.
+    pub fn resident_on(&self, tier: Tier) -> Vec<Slot> {
+        let owners: Vec<Slot> = self
+            .by_canonical
+            .iter()
+            .copied()
+            .filter(|&slot| self.count(slot, tier) > 0)
+            .collect();
+        let index: Map<u64, usize> = owners
+            .iter()
+            .enumerate()
+            .map(|(at, &slot)| (self.canonical(slot), at))
+            .collect();
+        let mut depth: Vec<Option<u32>> = vec![None; owners.len()];
+        for start in 0..owners.len() {
+            // Walk up to the first block whose depth is known (or a root), then fill the path.
+            let mut path = Vec::new();
+            let mut at = start;
+            let base = loop {
+                if let Some(known) = depth[at] {
+                    break known + 1;
+                }
+                path.push(at);
+                match self
+                    .parent(owners[at])
+                    .and_then(|parent| index.get(&parent))
+                {
+                    Some(&up) if !path.contains(&up) => at = up,
+                    _ => break 0,
+                }
+            };
+            for (offset, &node) in path.iter().rev().enumerate() {
+                depth[node] = Some(base + offset as u32);
+            }
+        }
+        let mut ordered: Vec<(u32, u32, Slot)> = owners
+            .iter()
+            .enumerate()
+            .map(|(at, &slot)| (depth[at].unwrap_or(0), self.order[slot as usize], slot))
+            .collect();
+        ordered.sort_unstable();
+        ordered.into_iter().map(|(_, _, slot)| slot).collect()
+    }
+
     // -- anchors after a loss -------------------------------------------------------------
 
     /// Remembers every tracked block as an anchor (see [`Rank::anchor`]).

@@ -100,6 +100,12 @@ impl PyNormalizer {
         self.wrap(output)
     }
 
+    /// A clear of one rank, then a store of every block it holds, tier by tier.
+    fn snapshot(&mut self, dp_rank: u32) -> PyOutput {
+        let output = self.inner.snapshot(dp_rank);
+        self.wrap(output)
+    }
+
     /// Blocks announced again after a loss, because stores named them as ancestors.
     #[getter]
     fn reanchored_blocks(&self) -> u64 {
