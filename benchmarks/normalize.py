@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Throughput of kvbridge's decode and normalize path against a plain msgpack decode.
+"""Throughput of kvbridge's native core against a plain msgpack decode, and the speed-up over
+the pure-Python normalizer it replaced.
 
 The workload is a deterministic simulation of one vLLM worker's KV-event stream: a GPU prefix
 cache with LRU eviction of free blocks (as vLLM's free-block queue does it), requests drawn from
@@ -10,31 +11,53 @@ self-describing (tokens and parent) or as placeholders (hashes only) and evicts 
 The stream carries no ``AllBlocksCleared``. Each engine step with events becomes one payload,
 encoded with :func:`kvbridge.schemas.vllm.encode_batch` in the layout of the variant.
 
-For every variant, on the same payloads and in the same run, it times:
+For every variant, on the same payloads and in the same run, alternating within each
+repetition, it times:
 
 (a) ``msgspec.msgpack.decode(payload)`` (untyped) of every payload: the baseline;
 (b) ``kvbridge.decode_batch(payload)`` of every payload;
-(c) ``decode_batch`` + ``Normalizer.normalize`` (a fresh ``Normalizer(1, block_size)`` per
-    repetition).
+(d) bytes to the relay's canonical bytes: ``normalizer.process(payload, seq)
+    .canonical_payloads(ts)``, a fresh ``Normalizer(1, block_size)`` per repetition;
+(e) bytes to Python ``TieredEvent`` values: ``normalizer.process(payload, seq).events``, same.
+
+There is no (c) any more. It was ``decode_batch`` + ``Normalizer.normalize`` of the decoded
+``VllmBatch``: with the native core that is a compatibility path, since the core reads bytes,
+and ``Normalizer.process`` re-encodes a decoded batch (``encode_batch`` in the newest layout)
+before the core decodes it again. No pipeline takes it; it would time msgspec twice and the
+core once.
+
+With ``--before PATH`` (a checkout of the pure-Python code, e.g. ``git worktree add
+/tmp/kv-8950c4a 8950c4a``), a worker subprocess runs that code on the same payloads
+(``PYTHONPATH=PATH``, the same interpreter; it checks that ``kvbridge`` is imported from PATH)
+and times its own (a) and the old (c), ``decode_batch`` + ``Normalizer.normalize``, its
+repetitions alternating with this process's. Its events are compared with (e)'s, encoded.
 
 A block is one entry of an event's ``block_hashes`` (stored or removed); throughput is blocks per
-second of the best (fastest) repetition, the median is printed alongside. The acceptance target
-is (c)/(a) >= 0.4.
+second of the best (fastest) repetition, the median is printed alongside. The acceptance targets
+are (d)/(a) >= 3.0 and (e)/(a) >= 1.0 on every variant.
 
-Run: python benchmarks/normalize.py [--blocks N] [--repeat R] [--profile]
+``--breakdown`` adds, alternating in the same way, where (d) and (e) spend their time: the core
+alone (a loop of ``_core.Normalizer.normalize``), the core with every store dropped (its
+decoder, nearly alone), the core's two writers, msgspec building the ``TieredEvent`` values from
+the core's bytes, and the Python wrapper ``Normalizer.process``.
+
+Run: python benchmarks/normalize.py [--blocks N] [--repeat R] [--variant S] [--before PATH]
+         [--breakdown] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import hashlib
+import json
+import os
 import platform
-import pstats
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from array import array
 from collections import Counter, OrderedDict
@@ -47,6 +70,7 @@ import msgspec
 
 import kvbridge
 from kvbridge import Normalizer, decode_batch
+from kvbridge.normalizers.batch import _TIERED_EVENTS
 from kvbridge.schemas.vllm import (
     BlockRemoved,
     BlockStored,
@@ -57,8 +81,11 @@ from kvbridge.schemas.vllm import (
     layout_for,
 )
 
-TARGET = 0.4
-"""Acceptance target for (c)/(a)."""
+TARGETS = {"(d) canonical": 3.0, "(e) events": 1.0}
+"""Acceptance targets: the measure's throughput over (a)'s, on every variant."""
+
+TS = 1_700_000_000.0
+"""The time (d) stamps the canonical payloads with (the relay uses its receive time)."""
 
 MAX_BLOCKS_PER_STORE = 64
 VOCAB = 151_936
@@ -397,42 +424,263 @@ def count_blocks(payloads: Sequence[bytes]) -> tuple[Counter[str], Counter[str]]
 # -- timing ----------------------------------------------------------------------------------
 
 
-def run_baseline(payloads: Sequence[bytes], block_size: int) -> None:
+@dataclass
+class Case:
+    """One variant's payloads, and what the breakdown needs of them."""
+
+    payloads: list[bytes]
+    block_size: int
+    tiered: list[bytes] = field(default_factory=list)
+    """The core's ``TieredEvent`` msgpack of every payload (``--breakdown`` only)."""
+
+
+Measure = tuple[str, Callable[[Case], Any]]
+
+
+def run_baseline(case: Case) -> None:
+    decode = msgspec.msgpack.decode
+    for payload in case.payloads:
+        decode(payload)
+
+
+def run_decode(case: Case) -> None:
+    for payload in case.payloads:
+        decode_batch(payload)
+
+
+def run_canonical(case: Case) -> Normalizer:
+    normalizer = Normalizer(worker_id=1, block_size=case.block_size)
+    process = normalizer.process
+    for seq, payload in enumerate(case.payloads):
+        process(payload, seq).canonical_payloads(TS)
+    return normalizer
+
+
+def run_events(case: Case) -> Normalizer:
+    normalizer = Normalizer(worker_id=1, block_size=case.block_size)
+    process = normalizer.process
+    for seq, payload in enumerate(case.payloads):
+        process(payload, seq).events  # noqa: B018 (built on first access)
+    return normalizer
+
+
+MEASURES: tuple[Measure, ...] = (
+    ("(a) msgpack", run_baseline),
+    ("(b) decode", run_decode),
+    ("(d) canonical", run_canonical),
+    ("(e) events", run_events),
+)
+
+
+def _core_normalizer(block_size: int) -> Any:
+    """The ``_core.Normalizer`` a ``Normalizer`` wraps, made with the same defaults."""
+    return Normalizer(worker_id=1, block_size=block_size)._core
+
+
+def run_core(case: Case) -> None:
+    normalize = _core_normalizer(case.block_size).normalize
+    for seq, payload in enumerate(case.payloads):
+        normalize(payload, seq)
+
+
+def run_core_decode(case: Case) -> None:
+    # registered with another block size: every store is dropped after decoding and admission,
+    # every removal finds nothing; what is left is the decoder
+    normalize = _core_normalizer(case.block_size + 1).normalize
+    for seq, payload in enumerate(case.payloads):
+        normalize(payload, seq)
+
+
+def run_core_canonical(case: Case) -> None:
+    normalize = _core_normalizer(case.block_size).normalize
+    for seq, payload in enumerate(case.payloads):
+        normalize(payload, seq).canonical_payloads(TS)
+
+
+def run_core_tiered(case: Case) -> None:
+    normalize = _core_normalizer(case.block_size).normalize
+    for seq, payload in enumerate(case.payloads):
+        normalize(payload, seq).tiered_events()
+
+
+def run_tiered_decode(case: Case) -> None:
+    decode = _TIERED_EVENTS.decode
+    for tiered in case.tiered:
+        decode(tiered)
+
+
+def run_process(case: Case) -> None:
+    process = Normalizer(worker_id=1, block_size=case.block_size).process
+    for seq, payload in enumerate(case.payloads):
+        process(payload, seq)
+
+
+BREAKDOWN: tuple[Measure, ...] = (
+    ("core", run_core),
+    ("core, stores dropped", run_core_decode),
+    ("core + canonical", run_core_canonical),
+    ("core + tiered", run_core_tiered),
+    ("TieredEvent decode", run_tiered_decode),
+    ("process", run_process),
+)
+
+
+# -- the pure-Python code, in a worker process -----------------------------------------------
+
+WORKER = r"""
+import gc, hashlib, json, sys, time
+import msgspec
+import kvbridge
+from kvbridge import Normalizer, decode_batch
+
+with open(sys.argv[1], "rb") as file:
+    payloads = msgspec.msgpack.decode(file.read())
+block_size = int(sys.argv[2])
+
+
+def baseline():
     decode = msgspec.msgpack.decode
     for payload in payloads:
         decode(payload)
 
 
-def run_decode(payloads: Sequence[bytes], block_size: int) -> None:
-    for payload in payloads:
-        decode_batch(payload)
-
-
-def run_normalize(payloads: Sequence[bytes], block_size: int) -> Normalizer:
+def normalize(digest=None):
     normalizer = Normalizer(worker_id=1, block_size=block_size)
-    normalize = normalizer.normalize
+    run = normalizer.normalize
     for seq, payload in enumerate(payloads):
-        normalize(decode_batch(payload), seq)
+        events = run(decode_batch(payload), seq)
+        if digest is not None:
+            digest.update(msgspec.msgpack.encode(events))
     return normalizer
 
 
-MEASURES: tuple[tuple[str, Callable[[Sequence[bytes], int], Any]], ...] = (
-    ("(a) msgpack", run_baseline),
-    ("(b) decode", run_decode),
-    ("(c) normalize", run_normalize),
-)
+def timed(function):
+    gc.collect()
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
 
 
-def measure(payloads: Sequence[bytes], block_size: int, repeat: int) -> list[list[float]]:
-    """Seconds per repetition for each measure; the measures alternate within a repetition."""
-    times: list[list[float]] = [[] for _ in MEASURES]
+print(json.dumps({"kvbridge": kvbridge.__file__}), flush=True)
+for line in sys.stdin:
+    if line.strip() == "run":
+        print(json.dumps({"a": timed(baseline), "c": timed(normalize)}), flush=True)
+    elif line.strip() == "digest":
+        digest = hashlib.sha256()
+        stats = dict(normalize(digest).stats)
+        print(json.dumps({"digest": digest.hexdigest(), "stats": stats}), flush=True)
+    else:
+        break
+"""
+
+
+class Before:
+    """The pure-Python normalizer of another checkout, timed in its own process."""
+
+    def __init__(self, path: Path, payloads: Sequence[bytes], block_size: int) -> None:
+        self.path = path.resolve()
+        with tempfile.NamedTemporaryFile(suffix=".msgpack", delete=False) as file:
+            file.write(msgspec.msgpack.encode(list(payloads)))
+        self.file = Path(file.name)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(self.file), str(block_size)],
+            cwd=self.path,
+            env={**os.environ, "PYTHONPATH": str(self.path)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        module = Path(self._answer()["kvbridge"]).resolve()
+        if not module.is_relative_to(self.path):
+            self.close()
+            raise SystemExit(f"--before {path}: the worker imported kvbridge from {module}")
+        self.module = module
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"--before {self.path}: the worker exited")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.file.unlink(missing_ok=True)
+
+
+def events_digest(case: Case) -> tuple[str, Counter[str]]:
+    """SHA-256 of (e)'s events, encoded, batch by batch; the counters of what was dropped."""
+    normalizer = Normalizer(worker_id=1, block_size=case.block_size)
+    digest = hashlib.sha256()
+    for seq, payload in enumerate(case.payloads):
+        digest.update(msgspec.msgpack.encode(normalizer.process(payload, seq).events))
+    return digest.hexdigest(), normalizer.stats
+
+
+def measure(
+    case: Case, measures: Sequence[Measure], repeat: int, before: Before | None
+) -> dict[str, list[float]]:
+    """Seconds per repetition for each measure; the measures (and the pure-Python worker's
+    two) alternate within a repetition."""
+    times: dict[str, list[float]] = {name: [] for name, _ in measures}
+    if before is not None:
+        times["before (a)"], times["before (c)"] = [], []
     for _ in range(repeat):
-        for slot, (_, function) in enumerate(MEASURES):
+        for name, function in measures:
             gc.collect()
             start = time.perf_counter()
-            function(payloads, block_size)
-            times[slot].append(time.perf_counter() - start)
+            function(case)
+            times[name].append(time.perf_counter() - start)
+        if before is not None:
+            answer = before.ask("run")
+            times["before (a)"].append(answer["a"])
+            times["before (c)"].append(answer["c"])
     return times
+
+
+# -- reporting -------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    model = "unknown"
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    root = Path(kvbridge.__file__).resolve().parents[1]  # the checkout measured
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "kvbridge", "native"], capture_output=True, text=True
+    )
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "msgspec": msgspec.__version__,
+        "kvbridge": Path(kvbridge.__file__).parent.as_posix(),
+        "commit": commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else ""),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def _rate(blocks: int, seconds: Sequence[float]) -> dict[str, float]:
+    return {"best": blocks / min(seconds), "median": blocks / statistics.median(seconds)}
+
+
+def _ratio(top: dict[str, float], bottom: dict[str, float]) -> dict[str, float]:
+    return {key: top[key] / bottom[key] for key in ("best", "median")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -444,83 +692,193 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--variant", action="append", help="run only variants whose name contains this"
     )
     parser.add_argument(
-        "--profile", action="store_true", help="cProfile (c) on the first variant and stop"
+        "--before",
+        type=Path,
+        metavar="PATH",
+        help="a checkout of the pure-Python code (e.g. 8950c4a) to time (c) on, in a worker",
     )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time the parts of (d) and (e)"
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     variants = [v for v in VARIANTS if not args.variant or any(s in v.name for s in args.variant)]
 
+    host = machine()
     print(
-        f"python {platform.python_version()} on {platform.machine()}, msgspec {msgspec.__version__}"
-        f", kvbridge {kvbridge.__version__} from {Path(kvbridge.__file__).parent}"
+        f"{host['cpu']}, {host['cpus']} CPUs, load {host['load_average']:.2f}; python "
+        f"{host['python']}, msgspec {host['msgspec']}, kvbridge {host['commit']} from "
+        f"{host['kvbridge']}"
     )
     started = time.perf_counter()
     steps_by_size = {
         size: simulate(size, args.blocks, args.seed) for size in {v.block_size for v in variants}
     }
     print(f"workload simulated in {time.perf_counter() - started:.1f} s")
+    measures = MEASURES + (BREAKDOWN if args.breakdown else ())
 
-    if args.profile:
-        variant = variants[0]
-        payloads = encode_steps(steps_by_size[variant.block_size], variant)
-        profiler = cProfile.Profile()
-        profiler.runcall(run_normalize, payloads, variant.block_size)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-        return 0
-
-    rows = []
+    results = []
     for variant in variants:
-        payloads = encode_steps(steps_by_size[variant.block_size], variant)
-        by_kind, events_by_kind = count_blocks(payloads)
+        case = Case(encode_steps(steps_by_size[variant.block_size], variant), variant.block_size)
+        by_kind, events_by_kind = count_blocks(case.payloads)
         blocks, events = by_kind.total(), events_by_kind.total()
-        normalizer = run_normalize(payloads, variant.block_size)
-        times = measure(payloads, variant.block_size, args.repeat)
-        best = [blocks / min(t) for t in times]
-        median = [blocks / statistics.median(t) for t in times]
-        rows.append((variant, len(payloads), events, blocks, best, median))
-        mix = ", ".join(
-            f"{kind} {count} in {events_by_kind[kind]} events"
-            for kind, count in sorted(by_kind.items())
+        if args.breakdown:
+            normalize = _core_normalizer(variant.block_size).normalize
+            case.tiered = [normalize(p, seq).tiered_events() for seq, p in enumerate(case.payloads)]
+        digest, stats = events_digest(case)
+        before = None
+        result: dict[str, Any] = {
+            "name": variant.name,
+            "release": variant.release,
+            "block_size": variant.block_size,
+            "bytes_hashes": variant.bytes_hashes,
+            "payloads": len(case.payloads),
+            "bytes": sum(map(len, case.payloads)),
+            "events": events,
+            "blocks": blocks,
+            "mix": {kind: [count, events_by_kind[kind]] for kind, count in sorted(by_kind.items())},
+            "not_forwarded": dict(sorted(stats.items())),
+        }
+        if args.before is not None:
+            before = Before(args.before, case.payloads, variant.block_size)
+            answer = before.ask("digest")
+            result["before"] = {
+                "path": args.before.as_posix(),
+                "module": before.module.as_posix(),
+                "same_events": answer["digest"] == digest,
+                "not_forwarded": dict(sorted(answer["stats"].items())),
+            }
+        try:
+            times = measure(case, measures, args.repeat, before)
+        finally:
+            if before is not None:
+                before.close()
+        result["seconds"] = times
+        result["rates"] = {name: _rate(blocks, seconds) for name, seconds in times.items()}
+        results.append(result)
+        print(
+            f"\n{variant.name}: {len(case.payloads)} payloads, {result['bytes'] / 1e6:.1f} MB, "
+            f"{events} events"
         )
-        drops = ", ".join(f"{k} {v}" for k, v in sorted(normalizer.stats.items())) or "none"
-        size = sum(map(len, payloads))
-        print(f"\n{variant.name}: {len(payloads)} payloads, {size / 1e6:.1f} MB, {events} events")
+        mix = ", ".join(f"{kind} {n} in {e} events" for kind, (n, e) in result["mix"].items())
         print(f"  blocks: {mix}")
+        drops = ", ".join(f"{k} {v}" for k, v in result["not_forwarded"].items()) or "none"
         print(f"  not forwarded: {drops}")
+        if "before" in result:
+            old = result["before"]
+            same = "identical" if old["same_events"] else "DIFFERENT"
+            print(f"  pure Python from {old['module']}: events {same} to (e)'s")
 
     print(
-        f"\nblocks/s of the best of {args.repeat} repetitions (median in brackets); "
-        f"target (c)/(a) >= {TARGET}\n"
+        f"\nblocks/s of the best of {args.repeat} repetitions (median in brackets); ratios of "
+        f"the bests (of the medians); targets (d)/(a) >= {TARGETS['(d) canonical']}, "
+        f"(e)/(a) >= {TARGETS['(e) events']}\n"
     )
-    header = (
-        f"{'variant':<24} {'payloads':>8} {'blocks':>8} "
-        f"{'(a) msgpack':>18} {'(b) decode':>18} {'(c) normalize':>18} {'b/a':>5} {'c/a':>5}"
-    )
+    names = [name for name, _ in MEASURES]
+    header = f"{'variant':<24} {'blocks':>7} " + " ".join(f"{n:>18}" for n in names)
+    header += "".join(f" {n[:3] + '/(a)':>12}" for n in names[1:])
     print(header)
     print("-" * len(header))
-    worst = float("inf")
-    for variant, payloads_count, _, blocks, best, median in rows:
+    worst = dict.fromkeys(TARGETS, float("inf"))
+    for result in results:
+        rates = result["rates"]
         cells = " ".join(
-            f"{b / 1e6:8.2f}M ({m / 1e6:5.2f}M)" for b, m in zip(best, median, strict=True)
+            f"{rates[n]['best'] / 1e6:8.2f}M ({rates[n]['median'] / 1e6:5.2f}M)" for n in names
         )
-        ratio_b, ratio_c = best[1] / best[0], best[2] / best[0]
-        worst = min(worst, ratio_c)
+        ratios = {}
+        for name in names[1:]:
+            ratios[name] = ratio = _ratio(rates[name], rates["(a) msgpack"])
+            cells += f" {ratio['best']:5.2f} ({ratio['median']:4.2f})"
+            if name in worst:
+                worst[name] = min(worst[name], ratio["best"])
+        result["ratios"] = ratios
+        print(f"{result['name']:<24} {result['blocks']:>7} {cells}")
+
+    if args.before is not None:
         print(
-            f"{variant.name:<24} {payloads_count:>8} {blocks:>8} {cells} "
-            f"{ratio_b:5.2f} {ratio_c:5.2f}"
+            f"\nthe pure-Python (c) at {args.before}, decode_batch + normalize, in its own "
+            "process: its (c)/(a) against its own (a), and the speed-up of (d) and (e) over it"
+            "\n(blocks/s of the bests, the medians in brackets)\n"
         )
-    print(
-        f"\nmicroseconds per block of the best repetitions; normalize is (c) - (b), its budget "
-        f"what (c)/(a) = {TARGET} leaves it after (b)\n"
-    )
-    for variant, _, _, _, best, _ in rows:
-        baseline, decode, total = (1e6 / rate for rate in best)
+        header = (
+            f"{'variant':<24} {'(a), worker':>18} {'(c), pure Python':>18} {'(c)/(a)':>12} "
+            f"{'(d)/(c)':>12} {'(e)/(c)':>12}"
+        )
+        print(header)
+        print("-" * len(header))
+        for result in results:
+            rates = result["rates"]
+            old_a, old_c = rates["before (a)"], rates["before (c)"]
+            speedups = {
+                "(c)/(a)": _ratio(old_c, old_a),
+                "(d)/(c)": _ratio(rates["(d) canonical"], old_c),
+                "(e)/(c)": _ratio(rates["(e) events"], old_c),
+            }
+            result["before"]["ratios"] = speedups
+            cells = " ".join(
+                f"{r['best'] / 1e6:8.2f}M ({r['median'] / 1e6:5.2f}M)" for r in (old_a, old_c)
+            )
+            cells += "".join(
+                f" {speedups[k]['best']:5.2f} ({speedups[k]['median']:4.2f})"
+                for k in ("(c)/(a)", "(d)/(c)", "(e)/(c)")
+            )
+            print(f"{result['name']:<24} {cells}")
+
+    if args.breakdown:
         print(
-            f"{variant.name:<24} (a) {baseline:.2f}  (b) {decode:.2f}  (c) {total:.2f}  "
-            f"normalize {total - decode:.2f}  budget {baseline / TARGET - decode:.2f}"
+            "\nnanoseconds per block of the best repetitions: the core alone (decode + state), "
+            "its decoder (every store dropped), its writers, msgspec building the TieredEvents "
+            "from the core's bytes, the Python wrapper (process - core)\n"
         )
-    verdict = "met" if worst >= TARGET else "NOT met"
-    print(f"\nworst (c)/(a) = {worst:.2f}: target {TARGET} {verdict}")
+        header = (
+            f"{'variant':<24} {'(a)':>5} {'core':>5} {'dec':>5} {'state':>5} {'canon':>5} "
+            f"{'tierd':>5} {'TEdec':>5} {'wrap':>5} {'(d)':>5} {'(e)':>5} {'e/a max':>7}"
+        )
+        print(header)
+        print("-" * len(header))
+        for result in results:
+            ns = {n: 1e9 * min(s) / result["blocks"] for n, s in result["seconds"].items()}
+            parts = {
+                "(a)": ns["(a) msgpack"],
+                "core": ns["core"],
+                "decoder": ns["core, stores dropped"],
+                "state": ns["core"] - ns["core, stores dropped"],
+                "canonical writer": ns["core + canonical"] - ns["core"],
+                "tiered writer": ns["core + tiered"] - ns["core"],
+                "TieredEvent decode": ns["TieredEvent decode"],
+                "wrapper": ns["process"] - ns["core"],
+                "(d)": ns["(d) canonical"],
+                "(e)": ns["(e) events"],
+            }
+            ceiling = parts["(a)"] / parts["TieredEvent decode"]
+            result["breakdown_ns"] = parts
+            result["events_ceiling"] = ceiling
+            cells = " ".join(f"{v:5.0f}" for v in parts.values())
+            print(f"{result['name']:<24} {cells} {ceiling:7.2f}")
+        print(
+            "\ne/a max: (e)/(a) if the core and the wrapper took no time, msgspec building the "
+            "TieredEvents alone"
+        )
+
+    verdicts = []
+    for name, target in TARGETS.items():
+        verdict = "met" if worst[name] >= target else "NOT met"
+        verdicts.append(f"worst {name[:3]}/(a) = {worst[name]:.2f}: target {target} {verdict}")
+    print("\n" + "; ".join(verdicts))
     print(f"total {time.perf_counter() - started:.1f} s")
+    if args.json is not None:
+        host["load_average_end"] = os.getloadavg()[0]
+        document = {
+            "benchmark": "normalize",
+            "machine": host,
+            "blocks": args.blocks,
+            "repeat": args.repeat,
+            "seed": args.seed,
+            "targets": TARGETS,
+            "variants": results,
+        }
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"results written to {args.json}")
     return 0
 
 
