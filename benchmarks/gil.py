@@ -46,17 +46,20 @@ waited a whole switch interval (5 ms) without any switch, so a 0.15 ms decision 
 end: the relay's thread, wanting the GIL back meanwhile, waits until the decision sleeps. The
 relay pays for that wait, which is why its rate is printed.
 
-What the GIL does cost is at the start of a decision. A thread that wakes while the relay is
-busy waits for the GIL: the relay releases and retakes it around every native call, a waiter
-woken by a release often finds it already retaken, and each such wake-up restarts its 5 ms
-timer, so it gets the GIL when it wins one of those races or when the relay blocks in its
-poll. That shows in "late", not in the decision's own time.
+The GIL can still delay a decision's start. A thread that wakes while the relay is busy waits
+for the GIL: the relay releases and retakes it around every native call, a waiter woken by a
+release may find it already retaken, and each such wake-up restarts its 5 ms timer, so it gets
+the GIL when it wins one of those races or when the relay blocks in its poll. That would show
+in "late", not in the decision's own time; on this machine "late" grew as much with the relay
+in another process, so it did not stand out from the machine's own delays.
 
-On a machine shared with other jobs the p99s are set by the OS, not the GIL: a decision the
-OS preempted (an involuntary context switch of the thread, from ``getrusage(RUSAGE_THREAD)``
-around each decision) takes as long as the other job's time slice. The script counts those,
-and the decisions that blocked (a voluntary switch: a wait for the GIL would be one), and gives
-the p99 of the decisions that did neither, next to the p99 of all of them.
+On this shared 2-core guest the p99s move with the machine. A decision the OS preempted (an
+involuntary context switch of the thread, from ``getrusage(RUSAGE_THREAD)`` around each
+decision) takes as long as another job's time slice; the script counts those, and the ones
+that blocked (a voluntary switch: a wait for the GIL would be one), and gives the p99 of the
+decisions that did neither. Even those ran slower at p99 in some runs while core 1 was busy,
+with the relay in this process or in the other: that is the busy neighbour core (the
+hypervisor, the shared cache), which the relay-process control measures, not the GIL.
 
 Run: python benchmarks/gil.py [--rounds N] [--window S] [--rate BLOCKS_PER_S] [--period-ms MS]
 """
