@@ -18,8 +18,8 @@ use std::fmt;
 use std::ops::Range;
 
 use crate::layout::{
-    CLEARED, REMOVED, REMOVED_ARRAY_FIELDS, REMOVED_FIELDS, REMOVED_REQUIRED, STORED,
-    STORED_ARRAY_FIELDS, STORED_FIELDS, STORED_REQUIRED, U32_MAX,
+    stored_position, CLEARED, REMOVED, REMOVED_ARRAY_FIELDS, REMOVED_AS_STORED, REMOVED_FIELDS,
+    REMOVED_REQUIRED, STORED, STORED_ARRAY_FIELDS, STORED_FIELDS, STORED_REQUIRED, U32_MAX,
 };
 use crate::msgpack::{too_deep, Item, Lax, ReadError, Reader, MAX_DEPTH};
 
@@ -206,9 +206,68 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
     if payload.is_empty() {
         return Err(batch_error("empty payload"));
     }
+    // Most payloads are valid: one pass over them. Anything that fails is decoded again the
+    // exact way, framing every event before decoding any, since that decides which error a
+    // payload with several problems reports.
+    if let Some(batch) = decode_in_one_pass(payload, arena) {
+        return Ok(batch);
+    }
+    arena.clear();
     // decode_batch refuses deep nesting before anything else; a payload that decodes has been
     // framed to its last byte, within the limit, so only a failed one needs the walk.
     decode_batch(payload, arena).map_err(|error| nesting_error(payload).unwrap_or(error))
+}
+
+/// A valid payload's batch, decoding each event straight from the payload; `None` at the first
+/// problem of any kind.
+fn decode_in_one_pass<'a>(payload: &'a [u8], arena: &mut Arena) -> Option<Batch<'a>> {
+    let mut reader = Reader::new(payload);
+    let Ok(Lax::Item(Item::Array(fields @ 2..))) = reader.lax() else {
+        return None;
+    };
+    let ts = match reader.lax().ok()? {
+        Lax::Item(Item::Float(value)) => value,
+        Lax::Item(Item::UInt(value)) => value as f64,
+        Lax::Item(Item::NegInt(value)) => value as f64,
+        _ => return None,
+    };
+    let Ok(Lax::Item(Item::Array(count))) = reader.lax() else {
+        return None;
+    };
+    let mut events = Vec::with_capacity(count.min(reader.left()));
+    let (mut arrays, mut maps, mut fast, mut unknown) = (false, false, true, 0);
+    let mut at = reader.position();
+    for index in 0..count {
+        let (decoded, used) = decode_event(index, &payload[at..], arena).ok()?;
+        at += used;
+        arrays |= decoded.array;
+        maps |= !decoded.array;
+        fast &= decoded.fast;
+        unknown += decoded.unknown;
+        events.push(decoded.event);
+    }
+    let mut reader = Reader::new(&payload[at..]);
+    let dp_rank = if fields >= 3 {
+        match reader.lax().ok()? {
+            Lax::Item(Item::Nil) => None,
+            Lax::Item(Item::UInt(value)) if value <= U32_MAX => Some(value as u32),
+            _ => return None,
+        }
+    } else {
+        None
+    };
+    if fields > 3 || !reader.is_empty() {
+        return None; // extra batch fields are counted on a generic decoding: the exact path
+    }
+    if fast && !(arrays && maps) {
+        unknown = 0;
+    }
+    Some(Batch {
+        ts,
+        dp_rank,
+        events,
+        unknown_fields: unknown,
+    })
 }
 
 /// The error for a payload nested deeper than [`MAX_DEPTH`], if it is: inside an event when the
@@ -302,7 +361,7 @@ fn decode_batch<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, S
     let (mut arrays, mut maps) = (false, false);
     let mut fast = extra_batch_fields == 0;
     for (index, raw) in raws.into_iter().enumerate() {
-        let decoded = decode_event(index, raw, arena)?;
+        let (decoded, _) = decode_event(index, raw, arena)?;
         if decoded.array {
             arrays = true;
         } else {
@@ -336,20 +395,22 @@ struct Decoded<'a> {
 /// Events are enclosed by the batch and its events list.
 const EVENT_DEPTH: usize = 2;
 
+/// Decodes the event `raw` starts with (bytes may follow it); returns it and its length.
 fn decode_event<'a>(
     index: usize,
     raw: &'a [u8],
     arena: &mut Arena,
-) -> Result<Decoded<'a>, SchemaError> {
+) -> Result<(Decoded<'a>, usize), SchemaError> {
     let mut reader = Reader::new(raw);
-    match reader
+    let decoded = match reader
         .lax()
         .map_err(|error| malformed_event(index, error))?
     {
         Lax::Item(Item::Array(len)) => decode_array_event(index, raw, len, &mut reader, arena),
         Lax::Item(Item::Map(len)) => decode_map_event(index, raw, len, &mut reader, arena),
         other => Err(event_error(index, "event", expected("object", &other))),
-    }
+    }?;
+    Ok((decoded, reader.position()))
 }
 
 /// Checks a whole event as a generic decoding of it would (strings, timestamps, map keys).
@@ -380,11 +441,37 @@ fn tag_of(index: usize, item: Lax<'_>) -> Result<&'static str, SchemaError> {
     }
 }
 
-fn fields_of(tag: &str) -> (&'static [&'static str], usize, usize) {
+/// An event type's fields: their names, their positions in [`STORED_FIELDS`], how many lead
+/// as required, and how many the array era sent.
+struct Fields {
+    names: &'static [&'static str],
+    positions: &'static [usize],
+    required: usize,
+    known: usize,
+}
+
+const ALL_STORED: [usize; 15] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14];
+
+fn fields_of(tag: &str) -> Fields {
     match tag {
-        STORED => (&STORED_FIELDS, STORED_REQUIRED, STORED_ARRAY_FIELDS),
-        REMOVED => (&REMOVED_FIELDS, REMOVED_REQUIRED, REMOVED_ARRAY_FIELDS),
-        _ => (&[], 0, 0),
+        STORED => Fields {
+            names: &STORED_FIELDS,
+            positions: &ALL_STORED,
+            required: STORED_REQUIRED,
+            known: STORED_ARRAY_FIELDS,
+        },
+        REMOVED => Fields {
+            names: &REMOVED_FIELDS,
+            positions: &REMOVED_AS_STORED,
+            required: REMOVED_REQUIRED,
+            known: REMOVED_ARRAY_FIELDS,
+        },
+        _ => Fields {
+            names: &[],
+            positions: &[],
+            required: 0,
+            known: 0,
+        },
     }
 }
 
@@ -404,7 +491,8 @@ fn decode_array_event<'a>(
         ));
     }
     let tag = tag_of(index, reader.lax().map_err(malformed)?)?;
-    let (names, required, known) = fields_of(tag);
+    let fields = fields_of(tag);
+    let (names, required, known) = (fields.names, fields.required, fields.known);
     let given = len - 1;
     // Positions past the array era are unknown: decode_batch decodes such an event
     // generically, drops them and decodes the rest.
@@ -423,8 +511,8 @@ fn decode_array_event<'a>(
         ));
     }
     let mut builder = EventBuilder::new(tag);
-    for name in names.iter().take(given.min(known)) {
-        builder.field(index, name, reader, arena)?;
+    for &position in fields.positions.iter().take(given.min(known)) {
+        builder.field(index, position, reader, arena)?;
     }
     // The strict pass accepts nil up to the newest layout's fields, and nothing past them.
     let mut fast = given <= names.len();
@@ -475,7 +563,7 @@ fn decode_map_event<'a>(
         *reader = start;
         keys = len;
     }
-    let (names, required, _) = fields_of(tag);
+    let fields = fields_of(tag);
     let mut builder = EventBuilder::new(tag);
     // Unknown keys, each counted once as decode_batch counts them (on a generic decoding).
     let mut unknown: Vec<&[u8]> = Vec::new();
@@ -495,8 +583,9 @@ fn decode_map_event<'a>(
             }
             continue;
         }
-        match names.iter().find(|name| name.as_bytes() == key) {
-            Some(name) => builder.field(index, name, reader, arena)?,
+        let position = stored_position(key).filter(|p| fields.positions.contains(p));
+        match position {
+            Some(position) => builder.field(index, position, reader, arena)?,
             None => {
                 // The strict pass stops at the first unknown key, and its error quotes the
                 // key: one that is not UTF-8 fails there as malformed.
@@ -510,7 +599,9 @@ fn decode_map_event<'a>(
             }
         }
     }
-    if let Some(missing) = names[..required].iter().find(|name| !builder.has(name)) {
+    let required = &fields.positions[..fields.required];
+    if let Some(&missing) = required.iter().find(|&&position| !builder.has(position)) {
+        let missing = STORED_FIELDS[missing];
         return Err(event_error(
             index,
             "event",
@@ -544,54 +635,47 @@ impl<'a> EventBuilder<'a> {
         }
     }
 
-    fn has(&self, name: &str) -> bool {
-        let (names, _, _) = fields_of(self.tag);
-        names
-            .iter()
-            .position(|known| *known == name)
-            .is_some_and(|bit| self.seen & (1 << bit) != 0)
+    /// Whether the field at this position of [`STORED_FIELDS`] was given.
+    fn has(&self, position: usize) -> bool {
+        self.seen & (1 << position) != 0
     }
 
+    /// Reads the field at this position of [`STORED_FIELDS`].
     fn field(
         &mut self,
         event: usize,
-        name: &'static str,
+        position: usize,
         reader: &mut Reader<'a>,
         arena: &mut Arena,
     ) -> Result<(), SchemaError> {
-        let (names, _, _) = fields_of(self.tag);
-        if let Some(bit) = names.iter().position(|known| *known == name) {
-            self.seen |= 1 << bit;
-        }
-        let at = At::new(event, name);
+        self.seen |= 1 << position;
+        let at = At::new(event, STORED_FIELDS[position]);
         let item_start = reader.position();
         let item = reader
             .lax()
             .map_err(|error| malformed_event(event, error))?;
         let stored = &mut self.stored;
-        match name {
-            "block_hashes" => stored.hashes = hash_list(&at, item, reader, arena)?,
-            "parent_block_hash" => {
+        match position {
+            0 => stored.hashes = hash_list(&at, item, reader, arena)?,
+            1 => {
                 stored.parent = match item {
                     Lax::Item(Item::Nil) => None,
                     other => Some(hash(&at, other, "int | bytes | null")?),
                 }
             }
-            "token_ids" => stored.tokens = token_list(&at, item, reader, arena)?,
-            "block_size" => {
-                stored.block_size = u64::from(u32_field(&at, item, false)?.unwrap_or(0))
-            }
-            "lora_id" => stored.lora_id = opt_int(&at, item)?,
-            "medium" => stored.medium = opt_str(&at, item)?,
-            "lora_name" => stored.lora_name = opt_str(&at, item)?,
-            "extra_keys" => stored.extra_keys = extra_keys(&at, item, item_start, reader)?,
-            "group_idx" => stored.group_idx = u32_field(&at, item, true)?,
-            "kv_cache_spec_kind" => stored.spec_kind = opt_str(&at, item)?,
-            "kv_cache_spec_sliding_window" => stored.sliding_window = opt_int(&at, item)?,
-            "locality" => stored.locality = opt_str(&at, item)?,
-            "ownership" => stored.ownership = opt_str(&at, item)?,
-            "session_id" => stored.session_id = opt_str(&at, item)?,
-            "lookahead_token_ids" => stored.lookahead = lookahead(&at, item, item_start, reader)?,
+            2 => stored.tokens = token_list(&at, item, reader, arena)?,
+            3 => stored.block_size = u64::from(u32_field(&at, item, false)?.unwrap_or(0)),
+            4 => stored.lora_id = opt_int(&at, item)?,
+            5 => stored.medium = opt_str(&at, item)?,
+            6 => stored.lora_name = opt_str(&at, item)?,
+            7 => stored.extra_keys = extra_keys(&at, item, item_start, reader)?,
+            8 => stored.group_idx = u32_field(&at, item, true)?,
+            9 => stored.spec_kind = opt_str(&at, item)?,
+            10 => stored.sliding_window = opt_int(&at, item)?,
+            11 => stored.locality = opt_str(&at, item)?,
+            12 => stored.ownership = opt_str(&at, item)?,
+            13 => stored.session_id = opt_str(&at, item)?,
+            14 => stored.lookahead = lookahead(&at, item, item_start, reader)?,
             _ => unreachable!("a field of the layout table"),
         }
         Ok(())
@@ -646,6 +730,10 @@ fn hash_list(
     let start = arena.hashes.len();
     arena.hashes.reserve(len.min(reader.left()));
     for element in 0..len {
+        if let Some(value) = reader.any_int() {
+            arena.hashes.push(value);
+            continue;
+        }
         let item = reader
             .lax()
             .map_err(|error| malformed_event(at.event, error))?;
@@ -677,6 +765,10 @@ fn token_list(
     let start = arena.tokens.len();
     arena.tokens.reserve(len.min(reader.left()));
     for element in 0..len {
+        if let Some(value) = reader.small_uint() {
+            arena.tokens.push(value);
+            continue;
+        }
         let item = reader
             .lax()
             .map_err(|error| malformed_event(at.event, error))?;

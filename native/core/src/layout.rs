@@ -34,6 +34,32 @@ pub const REMOVED_FIELDS: [&str; 5] = [
     "ownership",
 ];
 
+/// Where each of `BlockRemoved`'s fields stands in [`STORED_FIELDS`]: the removal's fields are
+/// a subset of the store's, so one position names a field of either.
+pub const REMOVED_AS_STORED: [usize; 5] = [0, 5, 8, 11, 12];
+
+/// The position of a field in [`STORED_FIELDS`], by name.
+pub fn stored_position(name: &[u8]) -> Option<usize> {
+    Some(match name {
+        b"block_hashes" => 0,
+        b"parent_block_hash" => 1,
+        b"token_ids" => 2,
+        b"block_size" => 3,
+        b"lora_id" => 4,
+        b"medium" => 5,
+        b"lora_name" => 6,
+        b"extra_keys" => 7,
+        b"group_idx" => 8,
+        b"kv_cache_spec_kind" => 9,
+        b"kv_cache_spec_sliding_window" => 10,
+        b"locality" => 11,
+        b"ownership" => 12,
+        b"session_id" => 13,
+        b"lookahead_token_ids" => 14,
+        _ => return None,
+    })
+}
+
 /// Leading fields without a default: every release sends them.
 pub const STORED_REQUIRED: usize = 5;
 pub const REMOVED_REQUIRED: usize = 1;
@@ -50,3 +76,19 @@ pub const U32_MAX: u64 = u32::MAX as u64;
 pub const STORED: &str = "BlockStored";
 pub const REMOVED: &str = "BlockRemoved";
 pub const CLEARED: &str = "AllBlocksCleared";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_follow_the_field_lists() {
+        for (position, name) in STORED_FIELDS.iter().enumerate() {
+            assert_eq!(stored_position(name.as_bytes()), Some(position));
+        }
+        for (name, position) in REMOVED_FIELDS.iter().zip(REMOVED_AS_STORED) {
+            assert_eq!(STORED_FIELDS[position], *name);
+        }
+        assert_eq!(stored_position(b"type"), None);
+    }
+}

@@ -185,6 +185,74 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A non-negative integer below 2**32, if that is what comes next (else nothing is
+    /// consumed): the fast path of token lists.
+    #[inline(always)]
+    pub fn small_uint(&mut self) -> Option<u32> {
+        let rest = self.data.get(self.pos..)?;
+        let (&marker, tail) = rest.split_first()?;
+        let (value, width) = match marker {
+            0x00..=0x7f => (u32::from(marker), 1),
+            0xcc if !tail.is_empty() => (u32::from(tail[0]), 2),
+            0xcd if tail.len() >= 2 => (u32::from(u16::from_be_bytes([tail[0], tail[1]])), 3),
+            0xce if tail.len() >= 4 => {
+                (u32::from_be_bytes([tail[0], tail[1], tail[2], tail[3]]), 5)
+            }
+            _ => return None,
+        };
+        self.pos += width;
+        Some(value)
+    }
+
+    /// An integer of any width as u64 (a negative one as its two's complement), if that is
+    /// what comes next (else nothing is consumed): the fast path of hash lists.
+    #[inline(always)]
+    pub fn any_int(&mut self) -> Option<u64> {
+        let rest = self.data.get(self.pos..)?;
+        let (&marker, tail) = rest.split_first()?;
+        let (value, width) = match marker {
+            0x00..=0x7f => (u64::from(marker), 1),
+            0xe0..=0xff => (i64::from(marker as i8) as u64, 1),
+            0xcf | 0xd3 if tail.len() >= 8 => {
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(&tail[..8]);
+                (u64::from_be_bytes(bytes), 9)
+            }
+            0xce if tail.len() >= 4 => (
+                u64::from(u32::from_be_bytes([tail[0], tail[1], tail[2], tail[3]])),
+                5,
+            ),
+            0xd2 if tail.len() >= 4 => (
+                i64::from(i32::from_be_bytes([tail[0], tail[1], tail[2], tail[3]])) as u64,
+                5,
+            ),
+            _ => return None,
+        };
+        self.pos += width;
+        Some(value)
+    }
+
+    /// Skips a scalar that is not a string, bin or ext; `false` (nothing consumed) otherwise.
+    #[inline(always)]
+    fn skip_plain_scalar(&mut self) -> bool {
+        let Some(&marker) = self.data.get(self.pos) else {
+            return false;
+        };
+        let width = match marker {
+            0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => 1,
+            0xcc | 0xd0 => 2,
+            0xcd | 0xd1 => 3,
+            0xce | 0xd2 | 0xca => 5,
+            0xcf | 0xd3 | 0xcb => 9,
+            _ => return false,
+        };
+        if self.pos + width > self.data.len() {
+            return false;
+        }
+        self.pos += width;
+        true
+    }
+
     /// Reads one item as msgspec does before it checks the item's type: see [`Lax`].
     pub fn lax(&mut self) -> Result<Lax<'a>, ReadError> {
         self.read(false)
@@ -255,17 +323,22 @@ impl<'a> Reader<'a> {
     }
 
     fn skip_value(&mut self, depth: usize, strings: bool) -> Result<(), ReadError> {
-        // An explicit stack of items left per open container: no recursion.
-        let mut pending: Vec<usize> = Vec::new();
+        // An explicit stack of items left per open container: no recursion, no allocation.
+        let mut pending = [0usize; MAX_DEPTH + 1];
+        let mut open = 0usize;
         let mut left = 1usize;
         loop {
             while left == 0 {
-                match pending.pop() {
-                    Some(outer) => left = outer,
-                    None => return Ok(()),
+                if open == 0 {
+                    return Ok(());
                 }
+                open -= 1;
+                left = pending[open];
             }
             left -= 1;
+            if self.skip_plain_scalar() {
+                continue;
+            }
             let items = match self.read(true)? {
                 Lax::Item(Item::Array(len)) => len,
                 Lax::Item(Item::Map(len)) => len * 2,
@@ -275,11 +348,12 @@ impl<'a> Reader<'a> {
                 _ => continue,
             };
             // The container just opened is nested this many levels deep, itself included.
-            if depth + pending.len() + 1 > MAX_DEPTH {
+            if depth + open + 1 > MAX_DEPTH {
                 return Err(ReadError::TooDeep);
             }
             if items > 0 {
-                pending.push(left);
+                pending[open] = left;
+                open += 1;
                 left = items;
             }
         }

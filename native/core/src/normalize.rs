@@ -246,7 +246,7 @@ impl Normalizer {
         for &slot in &slots {
             let canonical = rank.canonical(slot);
             for tier in Tier::ALL {
-                if rank.drop_refs(canonical, tier) {
+                if rank.drop_refs(slot, canonical, tier) {
                     removed[tier as usize].push(canonical);
                 }
             }
@@ -829,7 +829,7 @@ impl Normalizer {
         let mut duplicates = 0;
         for (index, &slot) in slots.iter().enumerate() {
             let (canonical, parent) = (rank.canonical(slot), rank.parent(slot));
-            if rank.add_ref(slot, tier) > 0 {
+            if rank.add_ref(slot, canonical, tier) > 0 {
                 duplicates += 1;
                 continue;
             }
@@ -918,19 +918,19 @@ impl Normalizer {
             .collect();
         let mut evicted = Vec::new();
         for &key in hashes {
-            let slot = rank.live(key);
-            let canonical = slot.map(|slot| rank.canonical(slot));
-            let count = canonical.map_or(0, |canonical| rank.refs_of(canonical, tier));
-            if count >= 1 {
-                let canonical = canonical.expect("a counted block");
-                rank.release_ref(canonical, tier);
+            let live = rank.live(key).map(|slot| (slot, rank.canonical(slot)));
+            let owner = live.and_then(|(slot, canonical)| rank.owner_of(slot, canonical));
+            let count = owner.map_or(0, |owner| rank.count(owner, tier));
+            if let (Some((slot, canonical)), Some(owner)) = (live.filter(|_| count >= 1), owner) {
+                rank.release_ref(owner, canonical, tier);
                 if count == 1 {
                     gone.push(canonical);
-                    if !elsewhere
-                        .iter()
-                        .any(|&other| rank.refs_of(canonical, other) > 0)
-                    {
-                        evicted.push(slot.expect("a counted block"));
+                    // The owner leaves the index with its last reference: then no tier holds it.
+                    let elsewhere = rank.owner_of(slot, canonical).is_some_and(|owner| {
+                        elsewhere.iter().any(|&other| rank.count(owner, other) > 0)
+                    });
+                    if !elsewhere {
+                        evicted.push(slot);
                     }
                 } else {
                     self.count_drop(Action::Removed, tier, DropReason::StillReferenced, 1);

@@ -292,7 +292,20 @@ impl Rank {
             .copied()
     }
 
-    fn count(&self, owner: Slot, tier: Tier) -> u32 {
+    /// The slot holding the counts of `slot`'s canonical block (`canonical`), if any tier
+    /// holds it. Candidates are compared by parent and tokens hash, whose sequence hash the
+    /// canonical hash is, so no hash is recomputed.
+    pub fn owner_of(&self, slot: Slot, canonical: u64) -> Option<Slot> {
+        let (tokens_hash, parent) = (self.tokens_hash[slot as usize], self.parent(slot));
+        self.by_canonical
+            .find(hash_u64(canonical), |&other| {
+                self.tokens_hash[other as usize] == tokens_hash && self.parent(other) == parent
+            })
+            .copied()
+    }
+
+    /// The references on `tier` that `owner` (from [`Rank::owner_of`]) holds.
+    pub fn count(&self, owner: Slot, tier: Tier) -> u32 {
         match self.refs[owner as usize][tier as usize] {
             SPILLED => self.spill[&(owner, tier as u8)],
             small => u32::from(small),
@@ -312,11 +325,10 @@ impl Rank {
         }
     }
 
-    /// Counts one more reference to the block's canonical block on `tier`; returns the count
-    /// before.
-    pub fn add_ref(&mut self, slot: Slot, tier: Tier) -> u32 {
-        let canonical = self.canonical(slot);
-        let owner = match self.owner(canonical) {
+    /// Counts one more reference to the block's canonical block (`canonical`) on `tier`;
+    /// returns the count before.
+    pub fn add_ref(&mut self, slot: Slot, canonical: u64, tier: Tier) -> u32 {
+        let owner = match self.owner_of(slot, canonical) {
             Some(owner) => owner,
             None => {
                 self.insert_owner(slot, canonical);
@@ -344,12 +356,9 @@ impl Rank {
             .map_or(0, |owner| self.count(owner, tier))
     }
 
-    /// Counts one reference less on `tier` (there must be one); the canonical block leaves the
-    /// index when no tier holds it any more.
-    pub fn release_ref(&mut self, canonical: u64, tier: Tier) {
-        let owner = self
-            .owner(canonical)
-            .expect("a referenced block has an owner");
+    /// Counts one reference less on `tier` (`owner` must hold one); the canonical block
+    /// (`canonical`) leaves the index when no tier holds it any more.
+    pub fn release_ref(&mut self, owner: Slot, canonical: u64, tier: Tier) {
         let count = self.count(owner, tier) - 1;
         self.set_count(owner, tier, count);
         if count == 0 {
@@ -385,16 +394,17 @@ impl Rank {
         self.resident = [0; 4];
     }
 
-    /// Takes every reference to a canonical block off `tier`; returns whether it had any.
-    pub fn drop_refs(&mut self, canonical: u64, tier: Tier) -> bool {
-        let Some(owner) = self.owner(canonical) else {
+    /// Takes every reference to `slot`'s canonical block off `tier`; returns whether it had
+    /// any.
+    pub fn drop_refs(&mut self, slot: Slot, canonical: u64, tier: Tier) -> bool {
+        let Some(owner) = self.owner_of(slot, canonical) else {
             return false;
         };
         if self.count(owner, tier) == 0 {
             return false;
         }
         self.set_count(owner, tier, 1);
-        self.release_ref(canonical, tier);
+        self.release_ref(owner, canonical, tier);
         true
     }
 
