@@ -235,6 +235,13 @@ class StreamPipeline:
         for rank in sorted(ranks):
             self._emit(source, worker.normalizer.process_reset(rank, keep_identities=lost), now)
 
+    def snapshot(self, source: Source) -> list[NormalizedBatch]:
+        """Everything ``source`` delivered, for a consumer that knows nothing: per dp rank it
+        named (rank 0 if none yet), a clear of the rank then every resident block."""
+        worker = self.worker(source.worker_id)
+        ranks = worker.ranks.get(source) or {0}
+        return [worker.normalizer.process_snapshot(rank) for rank in sorted(ranks)]
+
     def _emit(self, source: Source, batch: NormalizedBatch, ts: float) -> None:
         if not batch:
             return

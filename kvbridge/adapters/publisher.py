@@ -20,7 +20,11 @@ Replay (ROUTER socket)
     A request is ``[identity, b"", start_seq8]`` (a DEALER sends ``[b"", start_seq8]``). The answer
     is every buffered batch whose seq is >= ``start_seq``, oldest first, followed by an end marker.
     Batches that have left the ring buffer (``buffer_steps`` batches) are not signalled: the first
-    replayed seq is simply larger than the one requested. Frame layouts, as a DEALER sees them:
+    replayed seq is simply larger than the one requested, unless a ``snapshot`` provider is
+    set (:attr:`Publisher.snapshot`): a request older than the buffer is then answered with
+    the provider's payloads (a clear, then every resident block), numbered from the seq asked
+    for, then the buffered batches from the provider's ``next_seq`` on.
+    Frame layouts, as a DEALER sees them:
 
     ====================  ================================  ===========================
     layout                per batch                         end marker
@@ -44,6 +48,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 from typing import Final, Self
 
@@ -139,6 +144,14 @@ class Publisher:
         self._monitor: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._peers = 0
+        self.last_sent = time.monotonic()
+        """When :meth:`publish` last sent a batch (monotonic), for heartbeats."""
+        self.snapshot: Callable[[], tuple[int, list[bytes]] | None] | None = None
+        """Called on the replay thread for a request older than the buffer: ``(next_seq,
+        payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
+        ``None`` (then the buffer is replayed as usual)."""
+        self.snapshots_served = 0
+        """Replay requests answered with a snapshot."""
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
@@ -217,6 +230,7 @@ class Publisher:
             self._next_seq = used + 1
             self._buffer.append((used, payload))
         if send:
+            self.last_sent = time.monotonic()
             if type(payload) is bytes:
                 # send_multipart's work without its costs: an IntFlag ``|`` per frame (1.7 us
                 # each) and a buffer check per part, which bytes pass anyway.
@@ -316,7 +330,21 @@ class Publisher:
     def _answer(self, router: zmq.Socket[bytes], identity: bytes, start_seq: int) -> None:
         """Send ``identity`` the buffered batches with seq >= ``start_seq``, then the end marker."""
         with self._lock:
-            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+            buffer = self._buffer
+            older = start_seq < (buffer[0][0] if buffer else self._next_seq)
+        batches: list[tuple[int, bytes]] = []
+        snapshot = self.snapshot() if older and self.snapshot is not None else None
+        if snapshot is not None:
+            # Numbered from the seq asked for (Dynamo's listener calls a replay that starts
+            # later "incomplete"); the buffered batches from the snapshot's point follow. A
+            # listener re-applies the live batches it holds after them: replaying a suffix of
+            # the stream on top of its result changes nothing.
+            next_seq, payloads = snapshot
+            batches = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
+            start_seq = max(next_seq, start_seq + len(payloads))
+            self.snapshots_served += 1
+        with self._lock:
+            batches += [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
         # A ROUTER never blocks on send: beyond SNDHWM (or for a vanished peer) it drops.
         for seq, payload in batches:
             if self._replay_topic_frame:

@@ -22,6 +22,21 @@ Without a publish endpoint the relay only tracks state (``kvbridge watch``); wit
 it also feeds an in-process :class:`~kvbridge.adapters.dynamo.TieredIndex`. Both are sinks of
 the pipeline: the index sees every source, each publisher its own.
 
+What a listener behind the relay can always recover from (checked against Dynamo 1.6.1's
+listener, see the README's "Failure modes"):
+
+- **The stream opens with the state it holds.** Each output's first batch is a clear (a fresh
+  relay holds nothing, while a listener may hold a previous run's blocks) of rank 0; a
+  listener that missed it (or holds another rank) is past it in sequence, and its replay
+  request, older than the buffer, gets a snapshot.
+- **Heartbeats.** An output that sent nothing for :data:`DEFAULT_HEARTBEAT_S` publishes an
+  empty batch (``[ts, [], dp_rank]``) with the next sequence number, so that a listener that
+  missed batches while the engine is idle sees the gap and asks for a replay.
+- **Snapshots.** A replay request older than an output's buffer (a listener of a previous run,
+  or one whose gap outgrew the buffer) is answered with a snapshot: per rank, a clear then
+  every resident block, then the buffered batches after it. The normalizer belongs to the
+  relay's thread, so the replay thread queues the request and :meth:`Relay.step` answers it.
+
 When a poll brings several batches (a backlog), their canonical payloads are published in
 bursts of up to :data:`PUBLISH_BURST`, in order, and always before :meth:`Relay.step` returns.
 Each message sent alone costs the relay's core a wake-up of ZMQ's I/O thread and a TCP write
@@ -31,12 +46,16 @@ published as soon as it is normalized, as before.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Final
 
+import msgspec
 import zmq
 
 from kvbridge.adapters.dynamo import TieredIndex
@@ -49,6 +68,11 @@ __all__ = ["Relay", "offset_endpoint"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 _STOP_TIMEOUT_S: Final = 5.0
+DEFAULT_HEARTBEAT_S: Final = 0.5
+"""An output idle this long publishes an empty batch with the next sequence number."""
+SNAPSHOT_TIMEOUT_S: Final = 2.0
+"""How long a replay request older than the buffer waits for the relay's thread to take the
+snapshot; without an answer (the relay is not stepping) the buffer is replayed as usual."""
 PUBLISH_BURST: Final = 256
 """Canonical payloads held back at most before they are sent, when batches queue up. At about
 25 us of normalizing each, the first of a burst goes out at most 6.4 ms later than it would
@@ -64,6 +88,12 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     if not sep or not port.isdigit() or not endpoint.startswith("tcp://"):
         raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
     return f"{head}:{int(port) + offset}"
+
+
+def _opening_clear(ts: float, dp_rank: int = 0) -> bytes:
+    """A fresh relay's first batch on an output: it holds nothing, so a clear of the rank (the
+    normalizer's own state is untouched, so that its counts stay those of the stream)."""
+    return msgspec.msgpack.encode((ts, [{"type": "AllBlocksCleared"}], dp_rank))
 
 
 class _HeldSink:
@@ -96,6 +126,7 @@ class Relay:
         index: TieredIndex | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         replay_on_start: bool = False,
+        heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
     ) -> None:
         if not sources:
             raise ValueError("a relay needs at least one source")
@@ -109,7 +140,12 @@ class Relay:
             replay_on_start=replay_on_start,
         )
         self.stats: Counter[str] = Counter()
-        """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
+        """``batches_in``, ``batches_out``, ``bad_frame:schema``, and per output ``opened`` (the
+        opening clears), ``heartbeats`` and ``snapshots`` (replays answered with one)."""
+        self.heartbeat_s = heartbeat_s
+        self._snapshots: queue.SimpleQueue[
+            tuple[Source, Future[tuple[int, list[bytes]] | None]]
+        ] = queue.SimpleQueue()
         self.pipeline = StreamPipeline(
             block_size, sinks=[IndexSink(index)] if index is not None else (), stats=self.stats
         )
@@ -134,10 +170,13 @@ class Relay:
                 bind=True,
                 first_seq=first_seq,
             )
-            if publish_replay:
-                publisher.start_replay_thread()
             self.outputs[source] = publisher
             self.pipeline.add_source(source, _HeldSink(publisher, self._held))
+            publisher.publish(_opening_clear(time.time()))
+            self.stats["opened"] += 1
+            if publish_replay:
+                publisher.snapshot = self._snapshot_provider(source)
+                publisher.start_replay_thread()
 
     def endpoints(self, source: Source) -> tuple[str, str | None]:
         """The bound publish and replay endpoints that republish ``source``."""
@@ -158,7 +197,55 @@ class Relay:
                     self._publish_held()
         finally:
             self._publish_held()
+        self._answer_snapshots()
+        if self.heartbeat_s is not None:
+            self._heartbeat(self.heartbeat_s)
         return len(items)
+
+    def _snapshot_provider(self, source: Source) -> Callable[[], tuple[int, list[bytes]] | None]:
+        """What ``source``'s publisher calls, on its replay thread, for a request older than
+        its buffer: the request is queued for the relay's thread (:meth:`_answer_snapshots`)."""
+
+        def provide() -> tuple[int, list[bytes]] | None:
+            future: Future[tuple[int, list[bytes]] | None] = Future()
+            self._snapshots.put((source, future))
+            try:
+                return future.result(SNAPSHOT_TIMEOUT_S)
+            except (FutureTimeout, CancelledError):
+                future.cancel()
+                return None
+
+        return provide
+
+    def _answer_snapshots(self) -> None:
+        """Take the snapshots the replay threads asked for, on the relay's thread: the state
+        as of the last batch published, with the seq the next one will get."""
+        while True:
+            try:
+                source, future = self._snapshots.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            now = time.time()
+            payloads = [
+                payload
+                for batch in self.pipeline.snapshot(source)
+                for payload in batch.canonical_payloads(now)
+            ]
+            self.stats["snapshots"] += 1
+            future.set_result((self.outputs[source].next_seq, payloads))
+
+    def _heartbeat(self, interval: float) -> None:
+        """An empty batch with the next seq on every output idle for ``interval`` seconds."""
+        now = time.monotonic()
+        for source, publisher in self.outputs.items():
+            if now - publisher.last_sent < interval:
+                continue
+            ranks = self.pipeline.worker(source.worker_id).ranks.get(source)
+            rank = max(ranks) if ranks else 0
+            publisher.publish(msgspec.msgpack.encode((time.time(), [], rank)))
+            self.stats["heartbeats"] += 1
 
     def _publish_held(self) -> None:
         held = self._held
@@ -194,6 +281,8 @@ class Relay:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(_STOP_TIMEOUT_S)
+        while not self._snapshots.empty():  # no thread will take them now
+            self._snapshots.get_nowait()[1].cancel()
         self.subscriber.close()
         for publisher in self.outputs.values():
             publisher.close()
