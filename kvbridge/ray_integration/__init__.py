@@ -1,6 +1,9 @@
 """Ray Serve integration: requests routed by Dynamo's KV router, replicas that relay their events.
 
 * :class:`DynamoKVRouter`: a Serve ``RequestRouter`` that asks Dynamo's ``SelectionService``.
+* :class:`DynamoLLMRouter`: the same for Ray Serve LLM (``ray.serve.llm``), whose engines'
+  raw streams it relays through kvbridge; imported on first use, since ``ray.serve.llm`` loads
+  vLLM.
 * :class:`KVEventsReplica`: the base of a deployment whose engine publishes KV events; runs a
   relay next to the engine and advertises it to the router.
 * :func:`vllm_engine_kwargs`, :func:`engine_env`, :class:`KVEventPorts`: the engine settings.
@@ -14,6 +17,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvbridge.ray_integration needs Ray Serve: pip install 'kvbridge[ray]'"
     ) from error
+
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.ray_integration.advert import ROUTING_STATS_KEY, KVEventsAdvert, read_advert
 from kvbridge.ray_integration.engine import (
@@ -31,9 +36,13 @@ from kvbridge.ray_integration.routing import (
     worker_id_for,
 )
 
+if TYPE_CHECKING:
+    from kvbridge.ray_integration.router import DynamoKVRouter as DynamoLLMRouter
+
 __all__ = [
     "ROUTING_STATS_KEY",
     "DynamoKVRouter",
+    "DynamoLLMRouter",
     "KVEventPorts",
     "KVEventsAdvert",
     "KVEventsReplica",
@@ -47,3 +56,12 @@ __all__ = [
     "vllm_engine_kwargs",
     "worker_id_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # DynamoLLMRouter imports ray.serve.llm, which loads vLLM: only when asked for.
+    if name == "DynamoLLMRouter":
+        from kvbridge.ray_integration import llm_router
+
+        return llm_router.DynamoLLMRouter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,285 @@
+"""``DynamoLLMRouter``: :class:`DynamoKVRouter` for Ray Serve LLM, every stream through kvbridge.
+
+Ray 2.60's ``LLMServer`` configures vLLM's KV events, and advertises them in its routing stats as
+``kv_event_metadata``, only when the deployment's request router is a subclass of Ray's own
+``KVAwareRouter``. :class:`DynamoLLMRouter` is both, so Ray's configuration works with only the
+class name changed::
+
+    LLMConfig(
+        ...,
+        deployment_config={"request_router_config": RequestRouterConfig(
+            request_router_class=DynamoLLMRouter)},
+        engine_kwargs={"enable_prefix_caching": True, ...},
+    )
+
+Those adverts name the engine's *raw* vLLM streams. The router never registers them with Dynamo
+as they are: a :class:`RelayHop` runs one :class:`~kvbridge.adapters.relay.Relay` per replica in
+the router's process, subscribed to the replica's stream (and its replay socket), and registers
+the relay's loopback endpoints instead. Dynamo's ``SelectionService`` therefore indexes
+kvbridge's canonical stream: engine hashes rewritten to Dynamo's, CPU placeholders resolved,
+tiers reference-counted. Replicas that advertise kvbridge's own canonical streams
+(:class:`~kvbridge.ray_integration.KVEventsReplica`) are registered directly, as before.
+
+Importing ``ray.serve.llm`` loads vLLM (15 s or more), so this module imports it only when
+:data:`DynamoLLMRouter` is first looked up; :class:`RelayHop` needs neither.
+
+Ray pickles a router's module by value, which copies its globals: the hop of a deployment is
+kept on that deployment's :class:`~kvbridge.ray_integration.RoutingState` (one per process),
+which lives in a module Ray pickles by reference.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import structlog
+
+from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.zmq import Source
+from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
+from kvbridge.ray_integration.routing import RoutingState, worker_id_for
+
+if TYPE_CHECKING:
+    from kvbridge.ray_integration.router import DynamoKVRouter
+
+    DynamoLLMRouter: type[DynamoKVRouter]
+
+__all__ = ["DynamoLLMRouter", "RelayHop", "relay_hop"]
+
+RELAY_HOST: Final = "127.0.0.1"
+"""Where the router-side relays publish: loopback, for the router's own Dynamo only."""
+
+_HOP_ATTRIBUTE: Final = "kvbridge_relay_hop"
+
+
+class _Relayed:
+    """One replica's raw advert, the relay that republishes it, and the advert Dynamo gets."""
+
+    __slots__ = ("advert", "raw", "relay", "stats")
+
+    def __init__(self, raw: KVEventsAdvert, relay: Relay, advert: KVEventsAdvert) -> None:
+        self.raw = raw
+        self.relay = relay
+        self.advert = advert
+        self.stats: dict[str, Any] = advert.routing_stats()
+
+
+class RelayHop:
+    """Turns replicas' raw vLLM adverts into adverts of kvbridge relays running in this process.
+
+    :meth:`translate` maps ``{replica id: routing stats}`` as Serve reports them to the stats the
+    registry should see: a raw advert (Ray Serve LLM's ``kv_event_metadata``) becomes a
+    canonical advert naming the loopback endpoints of a relay that subscribes to the raw stream
+    (started on first sight, replaced when the advert changes, closed when the replica leaves);
+    anything else passes unchanged. The same input object maps to the same output object, so
+    the registry's check for unchanged stats (by identity) stays cheap.
+
+    Args:
+        host: the address the relays publish on (loopback by default).
+    """
+
+    def __init__(self, host: str = RELAY_HOST) -> None:
+        self.host = host
+        self._lock = threading.Lock()
+        self._relayed: dict[str, _Relayed] = {}
+        self._seen: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
+        self.started = 0
+        """Relays started (a replica whose advert changed counts again)."""
+        self.closed = 0
+
+    def translate(
+        self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool
+    ) -> dict[str, Mapping[str, Any] | None]:
+        """The stats to register for ``replicas``; with ``complete`` (every replica of the
+        deployment is listed), the relays of replicas not listed are closed."""
+        out: dict[str, Mapping[str, Any] | None] = {}
+        stale: list[Relay] = []
+        with self._lock:
+            for replica_id, stats in replicas.items():
+                seen = self._seen.get(replica_id)
+                if stats is not None and seen is not None and seen[0] is stats:
+                    out[replica_id] = seen[1]
+                    continue
+                translated, replaced = self._translate(replica_id, stats)
+                if replaced is not None:
+                    stale.append(replaced)
+                if stats is not None:
+                    self._seen[replica_id] = (stats, translated)  # type: ignore[assignment]
+                out[replica_id] = translated
+            if complete:
+                for replica_id in [r for r in self._seen if r not in replicas]:
+                    del self._seen[replica_id]
+                for replica_id in [r for r in self._relayed if r not in replicas]:
+                    stale.append(self._relayed.pop(replica_id).relay)
+        self._close(stale)
+        return out
+
+    def forget(self, replica_id: str) -> None:
+        """Close the relay of a replica that died."""
+        with self._lock:
+            self._seen.pop(replica_id, None)
+            relayed = self._relayed.pop(replica_id, None)
+        self._close([] if relayed is None else [relayed.relay])
+
+    def endpoints(self, replica_id: str) -> KVEventsAdvert | None:
+        """The advert registered for ``replica_id`` in place of its raw one, if relayed."""
+        with self._lock:
+            relayed = self._relayed.get(replica_id)
+        return None if relayed is None else relayed.advert
+
+    def relay(self, replica_id: str) -> Relay | None:
+        """The relay of ``replica_id``, if it has one (for its stats)."""
+        with self._lock:
+            relayed = self._relayed.get(replica_id)
+        return None if relayed is None else relayed.relay
+
+    def close(self) -> None:
+        """Close every relay. Idempotent."""
+        with self._lock:
+            relays = [relayed.relay for relayed in self._relayed.values()]
+            self._relayed.clear()
+            self._seen.clear()
+        self._close(relays)
+
+    def _translate(
+        self, replica_id: str, stats: Mapping[str, Any] | None
+    ) -> tuple[Mapping[str, Any] | None, Relay | None]:
+        try:
+            raw = read_advert(stats)
+        except ValueError:
+            return stats, None  # the registry rejects it, and counts why
+        if raw is None or raw.canonical:
+            return stats, None
+        current = self._relayed.get(replica_id)
+        if current is not None and current.raw == raw:
+            return current.stats, None
+        relayed = self._start(replica_id, raw)
+        self._relayed[replica_id] = relayed
+        return relayed.stats, None if current is None else current.relay
+
+    def _start(self, replica_id: str, raw: KVEventsAdvert) -> _Relayed:
+        worker_id = worker_id_for(replica_id)
+        # The advert names the node's address of a socket vLLM binds (tcp://*): connect to it.
+        sources = [
+            Source(
+                endpoint=raw.endpoints[rank],
+                replay_endpoint=raw.replay_endpoints.get(rank),
+                worker_id=worker_id,
+                bind=False,
+            )
+            for rank in raw.dp_ranks
+        ]
+        endpoints: dict[int, str] = {}
+        replays: dict[int, str] = {}
+        relays: list[Relay] = []
+        # One relay per rank: each output gets its own ephemeral ports (a relay offsets the
+        # ports of several sources from one base, which an ephemeral port cannot give).
+        for rank, source in zip(raw.dp_ranks, sources, strict=True):
+            relay = Relay(
+                [source],
+                block_size=raw.block_size,
+                publish=f"tcp://{self.host}:*",
+                publish_replay=f"tcp://{self.host}:*",
+                replay_on_start=source.replay_endpoint is not None,
+            )
+            relays.append(relay)
+            endpoint, replay = relay.endpoints(source)
+            endpoints[rank] = endpoint
+            if replay is not None:
+                replays[rank] = replay
+        if len(relays) != 1:
+            for relay in relays:
+                relay.close()
+            raise ValueError(f"replica {replica_id}: one dp rank per replica, got {raw.dp_ranks}")
+        relay = relays[0]
+        relay.start()
+        self.started += 1
+        advert = KVEventsAdvert(
+            endpoints=endpoints,
+            block_size=raw.block_size,
+            replay_endpoints=replays,
+            canonical=True,
+        )
+        structlog.get_logger("kvbridge.ray.llm_router").info(
+            "relaying a raw vLLM stream",
+            replica=replica_id,
+            raw=raw.endpoints,
+            relayed=endpoints,
+            block_size=raw.block_size,
+        )
+        return _Relayed(raw, relay, advert)
+
+    def _close(self, relays: list[Relay]) -> None:
+        for relay in relays:
+            relay.close()
+            self.closed += 1
+
+
+def relay_hop(state: RoutingState) -> RelayHop:
+    """The hop of ``state``'s deployment in this process (created on first use).
+
+    Kept on the state, not in this module: Ray copies this module's globals (no module-level
+    lock either, which would not pickle); the state's lock guards the attribute.
+    """
+    with state._lock:
+        hop = getattr(state, _HOP_ATTRIBUTE, None)
+        if hop is None:
+            hop = RelayHop()
+            setattr(state, _HOP_ATTRIBUTE, hop)
+        # Another copy of this module may have made it: the same class by value, not by identity.
+        return cast(RelayHop, hop)
+
+
+def _make_router_class() -> type[DynamoKVRouter]:
+    # Loads vLLM: only when the class is first asked for.
+    from ray.serve.llm.request_router import KVAwareRouter
+
+    from kvbridge.ray_integration.router import DynamoKVRouter
+
+    class DynamoLLMRouter(DynamoKVRouter, KVAwareRouter):
+        """:class:`DynamoKVRouter` that Ray Serve LLM's engines publish KV events for, with
+        their raw streams relayed through kvbridge in this process (see the module's
+        documentation). Configure it like Ray's ``KVAwareRouter``; its
+        ``request_router_kwargs`` are :class:`DynamoKVRouter`'s."""
+
+        def initialize_state(self, **kwargs: Any) -> None:
+            super().initialize_state(**kwargs)
+            self._hop = relay_hop(self._routing)
+            self._routing = _RelayedRouting(self._routing, self._hop)  # type: ignore[assignment]
+
+    DynamoLLMRouter.__module__ = __name__
+    DynamoLLMRouter.__qualname__ = "DynamoLLMRouter"
+    return DynamoLLMRouter
+
+
+class _RelayedRouting:
+    """A deployment's :class:`RoutingState` as a router sees it: registry calls go through the
+    hop first (raw adverts become relayed ones); everything else is the state's own."""
+
+    def __init__(self, state: RoutingState, hop: RelayHop) -> None:
+        self._state = state
+        self._hop = hop
+
+    def sync(self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool) -> Any:
+        return self._state.sync(self._hop.translate(replicas, complete=complete), complete=complete)
+
+    def forget(self, replica_id: str) -> Any:
+        self._hop.forget(replica_id)
+        return self._state.forget(replica_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+_ROUTER_CLASS: type[DynamoKVRouter] | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _ROUTER_CLASS
+    if name == "DynamoLLMRouter":
+        if _ROUTER_CLASS is None:
+            _ROUTER_CLASS = _make_router_class()
+        return _ROUTER_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
