@@ -9,11 +9,13 @@ of the prompt the engine holds on its GPU) within 3 s, with the relay's counters
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+import urllib.error
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 
 from kvbridge.testing import SimulatedEngine
 from tests.support.lowports import free_low_ports
-from tests.support.relay import RelayProcess, wait_tcp_peers
+from tests.support.relay import RelayProcess, Samples, wait_tcp_peers
 from tests.support.selection import SelectionHarness
 
 BLOCK_SIZE = 4
@@ -158,7 +160,7 @@ class Rig:
 
     def metric(self, name: str) -> float:
         assert self.relay is not None
-        return self.relay.value(name)
+        return _samples(self.relay).get((name, frozenset()), 0.0)
 
     def _close(self) -> None:
         self.stop_dynamo()
@@ -194,3 +196,216 @@ def test_relay_kill_and_restart_10_cycles(rig: Rig) -> None:
         assert rig.metric("kvbridge_replays_total") == 1, cycle  # the catch-up from 0
         rig.use(rng.sample(PROMPTS, 4))
         rig.converge()
+
+
+def test_engine_restart_as_a_new_process(rig: Rig) -> None:
+    """The engine process is replaced (nothing cached, sequence from 0) while the relay and
+    Dynamo stay up: the relay sees the sequence go back, clears the worker downstream, replays
+    the new engine from 0 and Dynamo follows."""
+    rig.start_relay()
+    rig.start_dynamo()
+    rig.use(PROMPTS[:20])
+    rig.converge()
+    rig.engine.close()
+    rig.engine = rig.new_engine()
+    assert rig.engine.wait_for_subscribers(timeout=10)
+    rig.use(PROMPTS[30:33])
+    rig.converge()
+    assert rig.metric("kvbridge_restarts_total") == 1
+    assert rig.metric("kvbridge_lost_batches_total") == 0
+    assert rig.metric("kvbridge_gaps_total") == 0
+
+
+def _dropping(rig: Rig, drop: Callable[[int], bool]) -> list[bool]:
+    """Make the engine's PUB drop the batches ``drop(n)`` picks (the n-th batch from now); they
+    stay in its replay buffer. After each batch that does go out, wait until the relay has taken
+    in every batch published so far (so that each run of drops is one gap, recovered alone).
+    Returns the decisions, in order."""
+    publisher = rig.engine._publisher
+    original = publisher.publish
+    decisions: list[bool] = []
+
+    def publish(payload: bytes, *, seq: int | None = None, send: bool = True) -> int:
+        dropped = drop(len(decisions))
+        decisions.append(dropped)
+        used = original(payload, seq=seq, send=send and not dropped)
+        if not dropped:
+            _wait_relay_in(rig, rig.engine.total_published)
+        return used
+
+    publisher.publish = publish  # type: ignore[method-assign]
+    return decisions
+
+
+def _wait_relay_in(rig: Rig, count: int, timeout: float = 5.0) -> None:
+    """Until the relay has taken in (or counted as lost) ``count`` batches."""
+    relay = rig.relay
+    assert relay is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = _samples(relay)
+        taken = samples.get(("kvbridge_batches_total", frozenset({("direction", "in")})), 0.0)
+        taken += samples.get(("kvbridge_lost_batches_total", frozenset()), 0.0)
+        if taken >= count:
+            return
+        assert time.monotonic() < deadline, (taken, count)
+        time.sleep(0.005)
+
+
+def _samples(relay: RelayProcess) -> Samples:
+    """The relay's metrics. Its exporter reads the normalizer while the relay's thread may be
+    using it (pyo3's "Already mutably borrowed", a 500): such a scrape is retried."""
+    for _ in range(50):
+        try:
+            return relay.metrics()
+        except urllib.error.HTTPError as error:
+            if error.code != 500:
+                raise
+            time.sleep(0.01)
+    raise AssertionError("the relay's metrics kept failing")
+
+
+def _runs(decisions: list[bool]) -> int:
+    """Maximal runs of dropped batches that a delivered batch follows."""
+    return sum(1 for a, b in itertools.pairwise(decisions) if a and not b)
+
+
+def test_engine_replay_buffer_shorter_than_the_gap(tmp_path: Path) -> None:
+    """60 batches never reach the relay and the engine's replay buffer holds 30: the relay
+    counts the 29 it cannot recover (the 30th is the live one), clears the worker downstream
+    and keeps what the engine's hashes stand for. With the engine idle Dynamo holds no stale
+    block; after one use of each prompt (re-anchored by its stores) it is right again."""
+    with ExitStack() as stack:
+        rig = Rig(stack, tmp_path, engine_buffer=30)
+        rig.start_relay()
+        rig.start_dynamo()
+        rig.use(PROMPTS[:20])
+        rig.converge()
+        before = rig.engine.total_published
+        decisions = _dropping(rig, lambda n: n < 60)
+        rng = random.Random(2)
+        while len(decisions) < 61:
+            rig.engine.generate(rng.choice(PROMPTS))
+        dropped = sum(decisions)
+        assert dropped == 60
+        assert rig.metric("kvbridge_gaps_total") == 1
+        assert rig.metric("kvbridge_lost_batches_total") == dropped - 29
+        assert rig.metric("kvbridge_restarts_total") == 0
+        assert rig.engine.total_published > before
+        # No stale block: Dynamo never claims more than the engine holds.
+        assert all(seen <= true for _, seen, true in rig.wrong())
+        for prompt in PROMPTS:
+            rig.engine.generate(prompt, max_tokens=BLOCK_SIZE + 1)
+        rig.converge()
+
+
+def test_ten_percent_dropped_on_each_hop(rig: Rig) -> None:
+    """10% of the engine's batches never reach the relay (each run of them is one gap the relay
+    replays), and 10% of the relay's messages never reach Dynamo (a lossy proxy in between;
+    Dynamo replays from the relay)."""
+    rig.start_relay()
+    proxy = _LossyProxy(rig.publish, free_low_ports(1), loss=0.1, seed=3)
+    rig.stack.callback(proxy.close)
+    rig.publish, relay_publish = proxy.endpoint, rig.publish
+    rig.start_dynamo()
+    rig.publish = relay_publish
+    rng = random.Random(4)
+    decisions = _dropping(rig, lambda n: rng.random() < 0.1)
+    rig.use(PROMPTS)
+    rig.use(PROMPTS[::3])
+    decisions.append(False)  # the last batch goes out, so that the last run is seen
+    rig.engine._publisher.publish = type(rig.engine._publisher).publish.__get__(  # type: ignore[method-assign]
+        rig.engine._publisher
+    )
+    rig.engine.generate(PROMPTS[0], max_tokens=BLOCK_SIZE + 1)
+    rig.converge()
+    runs = _runs(decisions)
+    assert runs > 0 and proxy.dropped > 0
+    assert rig.metric("kvbridge_gaps_total") == runs
+    assert rig.metric("kvbridge_replays_total") == 1 + runs
+    assert rig.metric("kvbridge_lost_batches_total") == 0
+    assert rig.metric("kvbridge_restarts_total") == 0
+    assert rig.metric("kvbridge_duplicate_batches_total") == runs
+
+
+def test_dynamo_consumer_restarted(rig: Rig) -> None:
+    """Dynamo's SelectionService is replaced by a new one (an empty index, no watermark) while
+    the engine goes on: the new listener's first message is past 0, it asks for a replay from
+    0, older than the relay's buffer, and gets a snapshot."""
+    rig.start_relay()
+    rig.start_dynamo()
+    rig.use(PROMPTS[:20])
+    rig.converge()
+    for cycle in range(3):
+        rig.stop_dynamo()
+        rig.use(PROMPTS[10 * cycle : 10 * cycle + 15])
+        rig.start_dynamo()
+        rig.converge()
+    assert rig.metric("kvbridge_gaps_total") == 0
+    assert rig.metric("kvbridge_lost_batches_total") == 0
+
+
+def test_a_consumer_that_never_reads(rig: Rig) -> None:
+    """A SUB on the relay's output that never reads (its queue full at once) does not stop
+    the relay or Dynamo: the PUB drops for that peer alone."""
+    import zmq
+
+    rig.start_relay()
+    context = zmq.Context()
+    stalled = context.socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(rig.publish)
+    rig.stack.callback(context.term)
+    rig.stack.callback(stalled.close, 0)
+    rig.start_dynamo()
+    wait_tcp_peers(int(rig.publish.rsplit(":", 1)[1]), 2, timeout=10)
+    for _ in range(3):
+        rig.use(PROMPTS)
+    rig.converge()
+    assert rig.metric("kvbridge_lost_batches_total") == 0
+    assert rig.metric("kvbridge_gaps_total") == 0
+
+
+class _LossyProxy:
+    """SUB from ``upstream``, PUB on ``port``: forwards each message but a ``loss`` share."""
+
+    def __init__(self, upstream: str, port: int, *, loss: float, seed: int) -> None:
+        import threading
+
+        import zmq
+
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.dropped = 0
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.connect(upstream)
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.endpoint)
+        self._rng = random.Random(seed)
+        self._loss = loss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        wait_tcp_peers(int(upstream.rsplit(":", 1)[1]), 1, timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(50):
+                continue
+            frames = self._sub.recv_multipart()
+            if self._rng.random() < self._loss:
+                self.dropped += 1
+                continue
+            self._pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._pub.close(0)
+        self._context.term()

@@ -140,12 +140,14 @@ class Relay:
             replay_on_start=replay_on_start,
         )
         self.stats: Counter[str] = Counter()
-        """``batches_in``, ``batches_out``, ``bad_frame:schema``, and per output ``opened`` (the
-        opening clears), ``heartbeats`` and ``snapshots`` (replays answered with one)."""
+        """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
         self.heartbeat_s = heartbeat_s
         self._snapshots: queue.SimpleQueue[
             tuple[Source, Future[tuple[int, list[bytes]] | None]]
         ] = queue.SimpleQueue()
+        self.output_stats: Counter[str] = Counter(opened=0, heartbeats=0, snapshots=0)
+        """Summed over the outputs: ``opened`` (the opening clears), ``heartbeats`` and
+        ``snapshots`` (replay requests older than the buffer, answered with one)."""
         self.pipeline = StreamPipeline(
             block_size, sinks=[IndexSink(index)] if index is not None else (), stats=self.stats
         )
@@ -173,7 +175,7 @@ class Relay:
             self.outputs[source] = publisher
             self.pipeline.add_source(source, _HeldSink(publisher, self._held))
             publisher.publish(_opening_clear(time.time()))
-            self.stats["opened"] += 1
+            self.output_stats["opened"] += 1
             if publish_replay:
                 publisher.snapshot = self._snapshot_provider(source)
                 publisher.start_replay_thread()
@@ -233,7 +235,7 @@ class Relay:
                 for batch in self.pipeline.snapshot(source)
                 for payload in batch.canonical_payloads(now)
             ]
-            self.stats["snapshots"] += 1
+            self.output_stats["snapshots"] += 1
             future.set_result((self.outputs[source].next_seq, payloads))
 
     def _heartbeat(self, interval: float) -> None:
@@ -245,7 +247,7 @@ class Relay:
             ranks = self.pipeline.worker(source.worker_id).ranks.get(source)
             rank = max(ranks) if ranks else 0
             publisher.publish(msgspec.msgpack.encode((time.time(), [], rank)))
-            self.stats["heartbeats"] += 1
+            self.output_stats["heartbeats"] += 1
 
     def _publish_held(self) -> None:
         held = self._held
