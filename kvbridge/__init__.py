@@ -7,7 +7,7 @@ when a name that needs them is first read.
 
 from __future__ import annotations
 
-import importlib
+from kvbridge._lazy import lazy_names
 
 TYPE_CHECKING = False
 """True for type checkers only (as ``typing.TYPE_CHECKING``, without importing ``typing``)."""
@@ -45,18 +45,7 @@ _MODULE_OF: Final = {
 """Where each public name lives."""
 
 
-def _import_public_name(name: str) -> object:
-    """Import a public name from its module and keep it here, so it is looked up once."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+_import_public_name, __dir__ = lazy_names(__name__, globals(), _MODULE_OF)
 
 
 if not TYPE_CHECKING:

@@ -14,8 +14,9 @@ filter, ``DYN_LOG``, is read when Dynamo is first imported).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Final
+
+from kvbridge._lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvbridge.schemas import Overlap
@@ -47,18 +48,7 @@ _MODULE_OF: Final = {
 }
 
 
-def _import_public_name(name: str) -> object:
-    """Import a public name from its module and keep it here, so it is looked up once."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+_import_public_name, __dir__ = lazy_names(__name__, globals(), _MODULE_OF)
 
 
 if not TYPE_CHECKING:

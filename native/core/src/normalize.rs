@@ -388,40 +388,11 @@ impl Normalizer {
         };
         for tier in Tier::ALL {
             for slot in rank.resident_on(tier) {
-                self.snapshot_block(&rank, dp_rank, event_id, tier, slot, &mut out);
+                self.push_store(&rank, dp_rank, event_id, tier, &[slot], None, 0, &mut out);
             }
         }
         self.ranks.insert(dp_rank, rank);
         out
-    }
-
-    fn snapshot_block(
-        &self,
-        rank: &Rank,
-        dp_rank: u32,
-        event_id: u64,
-        tier: Tier,
-        slot: u32,
-        out: &mut Output,
-    ) {
-        let blocks_start = out.blocks.len();
-        out.blocks
-            .push((rank.canonical(slot), rank.tokens_hash(slot)));
-        let tokens_start = out.tokens.len();
-        rank.read_tokens(slot, &mut out.tokens);
-        let context = self.context_of(rank.context(slot)).clone();
-        out.events.push(OutEvent {
-            dp_rank,
-            tier,
-            event_id,
-            body: Body::Stored {
-                parent: rank.parent(slot),
-                blocks: blocks_start..out.blocks.len(),
-                tokens: tokens_start..out.tokens.len(),
-                lora_name: context.lora_name,
-                cache_salt: context.cache_salt,
-            },
-        });
     }
 
     /// The ranks seen, sorted.
@@ -866,6 +837,23 @@ impl Normalizer {
         out: &mut Output,
     ) {
         self.counters.forwarded[Action::Stored as usize][tier as usize] += run.len() as u64;
+        self.push_store(rank, dp_rank, event_id, tier, run, tokens, start, out);
+    }
+
+    /// Appends the store of a chained run of blocks to `out`; `tokens` as for
+    /// [`Normalizer::make_resident`].
+    #[allow(clippy::too_many_arguments)]
+    fn push_store(
+        &self,
+        rank: &Rank,
+        dp_rank: u32,
+        event_id: u64,
+        tier: Tier,
+        run: &[u32],
+        tokens: Option<&[u32]>,
+        start: usize,
+        out: &mut Output,
+    ) {
         let first = run[0];
         let blocks_start = out.blocks.len();
         out.blocks.extend(
