@@ -229,9 +229,10 @@ class StreamPipeline:
             lost_batches=reset.lost_batches,
         )
         now = time.time()
-        # Batches lost for good leave the engine's blocks unknown downstream, not different:
-        # the identities are kept, so the next store on a known chain re-announces it.
-        lost = reset.reason == "lost"
+        # Batches lost for good (or a reset for any reason but a restart the sequence showed)
+        # leave the engine's blocks unknown downstream, not different: the identities are kept,
+        # so the next store on a known chain re-announces it.
+        lost = reset.reason != "restart"
         for rank in sorted(ranks):
             self._emit(source, worker.normalizer.process_reset(rank, keep_identities=lost), now)
 

@@ -145,6 +145,8 @@ class Relay:
         self._snapshots: queue.SimpleQueue[
             tuple[Source, Future[tuple[int, list[bytes]] | None]]
         ] = queue.SimpleQueue()
+        self._beat_check = 0.0
+        """When :meth:`_heartbeat` next looks at the outputs (monotonic)."""
         self.output_stats: Counter[str] = Counter(opened=0, heartbeats=0, snapshots=0)
         """Summed over the outputs: ``opened`` (the opening clears), ``heartbeats`` and
         ``snapshots`` (replay requests older than the buffer, answered with one)."""
@@ -241,6 +243,9 @@ class Relay:
     def _heartbeat(self, interval: float) -> None:
         """An empty batch with the next seq on every output idle for ``interval`` seconds."""
         now = time.monotonic()
+        if now < self._beat_check:  # many outputs: not a loop over all of them every step
+            return
+        self._beat_check = now + interval / 10
         for source, publisher in self.outputs.items():
             if now - publisher.last_sent < interval:
                 continue
