@@ -409,3 +409,62 @@ class _LossyProxy:
         self._sub.close(0)
         self._pub.close(0)
         self._context.term()
+
+
+def test_heartbeat_reveals_a_gap_while_idle_and_a_new_listener_gets_a_snapshot(
+    tmp_path: Path,
+) -> None:
+    """An in-process relay, so that its output counters can be read. The relay's output drops
+    every message of 3 requests and the engine goes idle: Dynamo only learns of the gap from a heartbeat (an
+    empty batch with the next seq), replays it from the relay's buffer and is right. Then a
+    new listener asks for a replay from 0, older than the buffer: one snapshot."""
+    from kvbridge.adapters.relay import Relay
+
+    with ExitStack() as stack:
+        rig = Rig(stack, tmp_path)
+        relay = Relay(
+            [rig.engine.source(WORKER)],
+            block_size=BLOCK_SIZE,
+            publish=rig.publish,
+            publish_replay=rig.replay,
+            buffer_steps=10_000,
+        )
+        stack.callback(relay.close)
+        relay.start()
+        assert rig.engine.wait_for_subscribers(timeout=10)
+        rig.start_dynamo()
+        rig.use(PROMPTS[:5])
+        rig.converge()
+        assert relay.output_stats["snapshots"] == 1  # this listener's first replay, from 0
+
+        (output,) = relay.outputs.values()
+        original = output.publish
+        dropping = True
+        dropped: list[int] = []
+
+        def publish(payload: bytes, *, seq: int | None = None, send: bool = True) -> int:
+            used = original(payload, seq=seq, send=send and not dropping)
+            if dropping:
+                dropped.append(used)
+            return used
+
+        output.publish = publish  # type: ignore[method-assign]
+        beats = relay.output_stats["heartbeats"]
+        published = rig.engine.total_published
+        rig.use(PROMPTS[5:8])
+        assert SelectionHarness.wait_for(
+            lambda: relay.stats["batches_in"] == rig.engine.total_published
+        )
+        dropping = False
+        assert len(dropped) >= rig.engine.total_published - published > 0
+        rig.converge()
+        assert relay.output_stats["heartbeats"] > beats
+        assert relay.output_stats["snapshots"] == 1  # the gap was in the buffer
+        assert relay.stats["batches_out"] == rig.engine.total_published
+        assert relay.subscriber.stats["gaps"] == 0
+
+        rig.stop_dynamo()
+        rig.start_dynamo()
+        rig.converge()
+        assert relay.output_stats["snapshots"] == 2
+        assert relay.output_stats["opened"] == 1
