@@ -20,6 +20,11 @@ kvbridge's canonical stream: engine hashes rewritten to Dynamo's, CPU placeholde
 tiers reference-counted. Replicas that advertise kvbridge's own canonical streams
 (:class:`~kvbridge.ray_integration.KVEventsReplica`) are registered directly, as before.
 
+A text completion or chat request is tokenized in the router exactly as the deployment's vLLM
+will tokenize it (:class:`~kvbridge.ray_integration.tokenize.VllmTokenizer`, built once per
+process from the deployment's own ``LLMConfig``, on a thread of its own), unless a
+``tokenizer`` hook is given in ``request_router_kwargs``.
+
 Importing ``ray.serve.llm`` loads vLLM (15 s or more), so this module imports it only when
 :data:`DynamoLLMRouter` is first looked up; :class:`RelayHop` needs neither.
 
@@ -30,6 +35,7 @@ which lives in a module Ray pickles by reference.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -39,19 +45,22 @@ import structlog
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Source
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
+from kvbridge.ray_integration.prompt import TOKEN_FIELDS, _field
 from kvbridge.ray_integration.routing import RoutingState, worker_id_for
+from kvbridge.ray_integration.tokenize import VllmTokenizer
 
 if TYPE_CHECKING:
     from kvbridge.ray_integration.router import DynamoKVRouter
 
     DynamoLLMRouter: type[DynamoKVRouter]
 
-__all__ = ["DynamoLLMRouter", "RelayHop", "relay_hop"]
+__all__ = ["DynamoLLMRouter", "RelayHop", "llm_tokenizer", "relay_hop"]
 
 RELAY_HOST: Final = "127.0.0.1"
 """Where the router-side relays publish: loopback, for the router's own Dynamo only."""
 
 _HOP_ATTRIBUTE: Final = "kvbridge_relay_hop"
+_TOKENIZER_ATTRIBUTE: Final = "kvbridge_vllm_tokenizer"
 
 
 class _Relayed:
@@ -232,22 +241,95 @@ def relay_hop(state: RoutingState) -> RelayHop:
         return cast(RelayHop, hop)
 
 
+def llm_tokenizer(state: RoutingState, app_name: str, deployment_name: str) -> VllmTokenizer:
+    """The deployment's :class:`~kvbridge.ray_integration.tokenize.VllmTokenizer` in this
+    process, built once from the deployment's own ``LLMConfig`` (read from Serve's controller
+    on the tokenizer's thread, never on Serve's loop)."""
+
+    def load() -> tuple[Any, Mapping[str, Any]]:
+        from ray import serve
+        from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
+
+        client = serve.context._get_global_client()
+        assert client is not None, "no Serve controller in this process"
+        info, _ = client.get_deployment_info(deployment_name, app_name)
+        config = info.replica_config
+        llm_config = (config.init_kwargs or {}).get("llm_config")
+        if llm_config is None and config.init_args:
+            llm_config = config.init_args[0]
+        if llm_config is None:
+            raise ValueError(f"{app_name}#{deployment_name} was not built with an llm_config")
+        _, vllm_config = _get_vllm_engine_config(llm_config, device_type="cpu")
+        return vllm_config, dict(llm_config.get_engine_config().frontend_kwargs)
+
+    with state._lock:
+        tokenizer = getattr(state, _TOKENIZER_ATTRIBUTE, None)
+        if tokenizer is None:
+            tokenizer = VllmTokenizer(load)
+            setattr(state, _TOKENIZER_ATTRIBUTE, tokenizer)
+        return cast(VllmTokenizer, tokenizer)
+
+
+def _needs_text_tokens(body: Any) -> bool:
+    """A text prompt or chat messages, and no token ids the router could read instead."""
+    if any(_field(body, name) is not None for name in TOKEN_FIELDS):
+        return False
+    return isinstance(_field(body, "prompt"), str) or _field(body, "messages") is not None
+
+
 def _make_router_class() -> type[DynamoKVRouter]:
     # Loads vLLM: only when the class is first asked for.
     from ray.serve.llm.request_router import KVAwareRouter
+    from ray.serve.request_router import PendingRequest, RunningReplica
 
     from kvbridge.ray_integration.router import DynamoKVRouter
 
     class DynamoLLMRouter(DynamoKVRouter, KVAwareRouter):
         """:class:`DynamoKVRouter` that Ray Serve LLM's engines publish KV events for, with
         their raw streams relayed through kvbridge in this process (see the module's
-        documentation). Configure it like Ray's ``KVAwareRouter``; its
-        ``request_router_kwargs`` are :class:`DynamoKVRouter`'s."""
+        documentation), and text and chat requests tokenized as the deployment's vLLM will
+        tokenize them. Configure it like Ray's ``KVAwareRouter``; its
+        ``request_router_kwargs`` are :class:`DynamoKVRouter`'s (a ``tokenizer`` hook given
+        there replaces vLLM's renderer)."""
 
         def initialize_state(self, **kwargs: Any) -> None:
             super().initialize_state(**kwargs)
             self._hop = relay_hop(self._routing)
+            self._text_tokens: dict[int, list[int] | None] = {}
+            self._vllm_tokenizer: VllmTokenizer | None = None
+            if self._tokenizer is None:
+                self._vllm_tokenizer = llm_tokenizer(
+                    self._routing, self._deployment_id.app_name, self._deployment_id.name
+                )
+                self._tokenizer = self._rendered_tokens
             self._routing = _RelayedRouting(self._routing, self._hop)  # type: ignore[assignment]
+
+        def _rendered_tokens(self, body: Any) -> list[int] | None:
+            return self._text_tokens.get(id(body))
+
+        async def choose_replicas(
+            self,
+            candidate_replicas: list[RunningReplica],
+            pending_request: PendingRequest | None = None,
+        ) -> list[list[RunningReplica]]:
+            body = pending_request.args[0] if pending_request and pending_request.args else None
+            if self._vllm_tokenizer is None or body is None or not _needs_text_tokens(body):
+                return await super().choose_replicas(candidate_replicas, pending_request)
+            key = id(body)
+            if key not in self._text_tokens:
+                try:
+                    tokens = await asyncio.wrap_future(self._vllm_tokenizer.submit(body))
+                except Exception as error:
+                    tokens = None
+                    self._routing.stats.registry["tokenize_failed"] += 1
+                    structlog.get_logger("kvbridge.ray.llm_router").warning(
+                        "tokenizing failed", error=str(error)
+                    )
+                self._text_tokens[key] = tokens
+            try:
+                return await super().choose_replicas(candidate_replicas, pending_request)
+            finally:
+                self._text_tokens.pop(key, None)
 
     DynamoLLMRouter.__module__ = __name__
     DynamoLLMRouter.__qualname__ = "DynamoLLMRouter"
