@@ -19,10 +19,46 @@ What it does about sequence numbers, per source:
   :class:`StreamReset`, then the stream starts over;
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes): counted by reason and skipped.
+
+Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
+
+- **a budget per poll**: :meth:`Subscriber.poll` reads the ready sources round-robin, at most
+  :data:`POLL_ROUND` messages from each per round, at most ``source_budget`` from one source
+  [:data:`DEFAULT_SOURCE_BUDGET`] and ``poll_budget`` in all [:data:`DEFAULT_POLL_BUDGET`]; the
+  next poll starts with the source after the last one served. A fast source cannot starve the
+  others, and the consumer processes what it read before reading more.
+- **frame size refused by ZMQ**: ``MAXMSGSIZE`` on the SUB and DEALER sockets is
+  ``max_frame_bytes`` plus :data:`MAXMSGSIZE_MARGIN`. A frame a little over ``max_frame_bytes``
+  is received and counted ``bad_frame:oversized``; a larger one is refused by ZMQ as its size
+  header arrives, before any of it is buffered. ZMQ then drops the connection and, after that
+  protocol error, does not reconnect by itself: the subscriber watches each SUB socket (a
+  socket monitor), counts ``disconnects`` and reconnects. What was sent meanwhile shows up as
+  a gap.
+- **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB and DEALER.
+  Under a flood, ZMQ sheds what does not fit (the engine's PUB drops it); the shed batches are
+  sequence gaps, replayed or counted ``lost``.
+- **replay answers**: at most ``replay_max_messages`` [:data:`DEFAULT_REPLAY_MAX_MESSAGES`] and
+  ``replay_max_bytes`` [:data:`DEFAULT_REPLAY_MAX_BYTES`] are read from one answer; the rest is
+  discarded (``replay_truncated``) and what it held counts as lost.
+- **sequence jumps**: a forward jump of more than ``max_gap`` [:data:`DEFAULT_MAX_GAP`] is bad
+  input (``bad_frame:seq_jump``), skipped, not a replay of 10**22 batches. If the next message
+  continues from the jump, the stream did move there: it is *resynchronized* (``resyncs``), a
+  :class:`StreamReset` (``"restart"``) and the stream goes on from there. A first message (or a
+  first replayed batch) that far past 0 is a resync too, with nothing counted as lost.
+- **clears**: every :class:`StreamReset` takes a token from its source's bucket, which holds
+  ``clear_burst`` [:data:`DEFAULT_CLEAR_BURST`] and refills at one token per
+  ``clear_interval`` s [:data:`DEFAULT_CLEAR_INTERVAL_S`]. A restart, gap or jump that finds the
+  bucket empty *suspends* the stream: no replay, every message skipped and counted
+  ``bad_frame:throttled`` until a token is back; the first message after that is a resync. So
+  a source gets at most ``clear_burst + T / clear_interval`` clears in ``T`` seconds, whatever
+  its sequence numbers do.
+- **logs**: every per-frame line goes through a :class:`~kvbridge.adapters.logs.LogLimiter`, per
+  stream and reason; the stats count every frame.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -32,6 +68,7 @@ import msgspec
 import structlog
 import zmq
 
+from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.publisher import END_SEQ, should_bind
 
 __all__ = [
@@ -43,6 +80,22 @@ __all__ = [
 ]
 
 DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
+MAXMSGSIZE_MARGIN: Final = 64 * 1024
+"""How far past ``max_frame_bytes`` a frame is still received (to be counted oversized)."""
+DEFAULT_RCVHWM: Final = 10_000
+"""Messages ZMQ queues per SUB or DEALER socket before it sheds (0 would be unbounded)."""
+DEFAULT_POLL_BUDGET: Final = 4096
+"""Messages one :meth:`Subscriber.poll` reads at most, over all sources."""
+DEFAULT_SOURCE_BUDGET: Final = 256
+"""Messages one :meth:`Subscriber.poll` reads at most from one source."""
+POLL_ROUND: Final = 32
+"""Messages read from a source before the next ready source gets its turn."""
+DEFAULT_MAX_GAP: Final = 1 << 20
+"""A forward sequence jump larger than this is bad input, not a gap to replay."""
+DEFAULT_CLEAR_BURST: Final = 3
+DEFAULT_CLEAR_INTERVAL_S: Final = 1.0
+DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
+DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
 
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 
@@ -113,11 +166,34 @@ class StreamReset(msgspec.Struct, frozen=True):
 
 
 class _Stream:
-    __slots__ = ("dealer", "last", "live_last", "replayed_through", "socket", "source")
+    __slots__ = (
+        "address",
+        "dealer",
+        "jumped_to",
+        "last",
+        "live_last",
+        "monitor",
+        "replayed_through",
+        "socket",
+        "source",
+        "suspended",
+        "tokens",
+        "tokens_at",
+    )
 
-    def __init__(self, source: Source, socket: zmq.Socket[bytes]) -> None:
+    def __init__(self, source: Source, socket: zmq.Socket[bytes], tokens: float) -> None:
         self.source = source
         self.socket = socket
+        self.address: str | None = None
+        """The address the SUB connects to (``None`` if it binds): reconnected after a drop."""
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.tokens = tokens
+        """Clears this source may still send now (see the module's "clears")."""
+        self.tokens_at = time.monotonic()
+        self.suspended = False
+        """A discontinuity found no token: skip everything until one is back, then resync."""
+        self.jumped_to: int | None = None
+        """The sequence of the last message skipped as a jump, to notice a stream that moved."""
         self.dealer: zmq.Socket[bytes] | None = None
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
@@ -139,26 +215,47 @@ class Subscriber:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         replay_timeout: float = 2.0,
         replay_on_start: bool = False,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        poll_budget: int = DEFAULT_POLL_BUDGET,
+        source_budget: int = DEFAULT_SOURCE_BUDGET,
+        max_gap: int = DEFAULT_MAX_GAP,
+        clear_burst: int = DEFAULT_CLEAR_BURST,
+        clear_interval: float = DEFAULT_CLEAR_INTERVAL_S,
+        replay_max_messages: int = DEFAULT_REPLAY_MAX_MESSAGES,
+        replay_max_bytes: int = DEFAULT_REPLAY_MAX_BYTES,
+        monitor: bool = True,
     ) -> None:
+        if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
+            raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
         self.context = context or zmq.Context.instance()
         self.max_frame_bytes = max_frame_bytes
         self.replay_timeout = replay_timeout
+        self.rcvhwm = rcvhwm
+        self.poll_budget = poll_budget
+        self.source_budget = source_budget
+        self.max_gap = max_gap
+        self.clear_burst = clear_burst
+        self.clear_interval = clear_interval
+        self.replay_max_messages = replay_max_messages
+        self.replay_max_bytes = replay_max_bytes
         self.stats: Counter[str] = Counter()
         """``messages``, ``gaps``, ``replays``, ``replayed``, ``lost``, ``restarts``,
-        ``duplicates`` and ``bad_frame:<reason>``."""
+        ``duplicates``, ``resyncs``, ``disconnects``, ``replay_timeouts``,
+        ``replay_truncated`` and ``bad_frame:<reason>`` (``oversized``, ``seq_jump``,
+        ``throttled``...)."""
+        self._warn = LogLimiter(log.warning)
+        self._info = LogLimiter(log.info)
         self._poller = zmq.Poller()
         self._streams: dict[zmq.Socket[bytes], _Stream] = {}
+        self._monitors: dict[zmq.Socket[bytes], _Stream] = {}
+        self._order: dict[zmq.Socket[bytes], int] = {}
+        self._next_first = 0
+        """Where the next poll starts its round-robin (the source after the last served)."""
+        self._monitor = monitor
         for source in sources:
-            socket = self.context.socket(zmq.SUB)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.RCVHWM, 0)
-            socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-            if source.subscriber_binds:
-                socket.bind(source.endpoint)
-            else:
-                socket.connect(connect_address(source.endpoint))
-            self._streams[socket] = _Stream(source, socket)
-            self._poller.register(socket, zmq.POLLIN)
+            stream = _Stream(source, self._open(source), float(clear_burst))
+            self._order[stream.socket] = len(self._streams)
+            self._attach(stream)
         self._starting = [
             stream
             for stream in self._streams.values()
@@ -171,25 +268,130 @@ class Subscriber:
                 return stream.last
         raise KeyError(source)
 
+    @property
+    def _maxmsgsize(self) -> int:
+        return self.max_frame_bytes + MAXMSGSIZE_MARGIN
+
+    def _open(self, source: Source) -> zmq.Socket[bytes]:
+        socket = self.context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        socket.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
+        socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        return socket
+
+    def _attach(self, stream: _Stream) -> None:
+        """Monitor (if it connects), bind or connect and poll ``stream.socket``."""
+        source, socket = stream.source, stream.socket
+        if self._monitor and not source.subscriber_binds:
+            # Only a connecting SUB stays down after ZMQ refused a frame; a bound one is
+            # reconnected by its peer.
+            stream.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[stream.monitor] = stream
+            self._poller.register(stream.monitor, zmq.POLLIN)
+        if source.subscriber_binds:
+            socket.bind(source.endpoint)
+        else:
+            stream.address = connect_address(source.endpoint)
+            socket.connect(stream.address)
+        self._streams[socket] = stream
+        self._poller.register(socket, zmq.POLLIN)
+
+    def _detach(self, stream: _Stream) -> None:
+        if stream.monitor is not None:
+            self._poller.unregister(stream.monitor)
+            del self._monitors[stream.monitor]
+            with contextlib.suppress(zmq.ZMQError):
+                stream.socket.disable_monitor()
+            stream.monitor.close(0)
+            stream.monitor = None
+        self._poller.unregister(stream.socket)
+        del self._streams[stream.socket]
+        stream.socket.close(0)
+
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
-        """Everything that arrived within ``timeout_ms``, in stream order per source."""
+        """What arrived within ``timeout_ms``, within the budget, in stream order per source.
+
+        Reads the ready sources round-robin (see the module's "limits"): at most
+        ``source_budget`` messages from one source and ``poll_budget`` in all. What is left
+        waits in ZMQ's queue (up to ``RCVHWM``) for the next poll.
+        """
         out: list[Message | StreamReset] = []
         while self._starting:
             stream = self._starting.pop(0)
             if stream.last is None:
                 out.extend(self._recover(stream, 0, None))
+        ready: list[zmq.Socket[bytes]] = []
         for socket, _ in self._poller.poll(timeout_ms):
-            stream = self._streams[socket]
-            while (frames := _recv_frames(socket)) is not None:
-                out.extend(self._receive(stream, frames))
+            monitored = self._monitors.get(socket)
+            if monitored is not None:
+                self._disconnected(monitored)
+            else:
+                ready.append(socket)
+        if not ready:
+            return out
+        order, count = self._order, len(self._order)
+        first = self._next_first
+        ready.sort(key=lambda socket: (order[socket] - first) % count)
+        budget = self.poll_budget
+        taken = dict.fromkeys(ready, 0)
+        last_served, resume = ready[0], 1
+        while ready and budget > 0:
+            more: list[zmq.Socket[bytes]] = []
+            for socket in ready:
+                stream = self._streams[socket]
+                quota = min(POLL_ROUND, self.source_budget - taken[socket], budget)
+                read = 0
+                while read < quota and (frames := _recv_frames(socket)) is not None:
+                    read += 1
+                    out.extend(self._receive(stream, frames))
+                taken[socket] += read
+                budget -= read
+                if read == quota and taken[socket] < self.source_budget:
+                    more.append(socket)  # may hold more
+                if budget <= 0:
+                    # Cut short by the budget: the next poll starts with this source.
+                    cut_short = read < POLL_ROUND and read == quota
+                    last_served, resume = socket, 0 if cut_short else 1
+                    break
+                last_served, resume = socket, 1
+            ready = more
+        self._next_first = (order[last_served] + resume) % count
         return out
+
+    def _disconnected(self, stream: _Stream) -> None:
+        """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (it does not reconnect after
+        that), or the engine went away (it would). Reconnect either way."""
+        monitor = stream.monitor
+        assert monitor is not None
+        while True:
+            try:
+                monitor.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                break
+            self.stats["disconnects"] += 1
+        self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
+        if stream.address is not None:
+            # A new socket: reconnecting the old one (disconnect, connect) can abort libzmq
+            # 4.3.5 (fq.cpp "!_more") when the refused message was half queued.
+            order = self._order.pop(stream.socket)
+            self._detach(stream)
+            stream.socket = self._open(stream.source)
+            self._order[stream.socket] = order
+            self._attach(stream)
 
     def close(self) -> None:
         for stream in self._streams.values():
+            if stream.monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    stream.socket.disable_monitor()
+                stream.monitor.close(0)
             stream.socket.close(0)
             if stream.dealer is not None:
                 stream.dealer.close(0)
         self._streams.clear()
+        self._monitors.clear()
+        self._order.clear()
 
     def __enter__(self) -> Subscriber:
         return self
@@ -201,7 +403,8 @@ class Subscriber:
 
     def _bad(self, stream: _Stream, reason: str, seq: int | None = None) -> None:
         self.stats[f"bad_frame:{reason}"] += 1
-        log.warning("bad frame skipped", stream=stream.source.endpoint, seq=seq, reason=reason)
+        endpoint = stream.source.endpoint
+        self._warn("bad frame skipped", (endpoint, reason), stream=endpoint, seq=seq, reason=reason)
 
     def _check(self, stream: _Stream, frames: list[bytes]) -> int | None:
         if len(frames) != 3:
@@ -217,33 +420,94 @@ class Subscriber:
             return None
         return seq
 
+    # -- clears: a token bucket per source -------------------------------------------------
+
+    def _may_clear(self, stream: _Stream) -> bool:
+        now = time.monotonic()
+        refill = (now - stream.tokens_at) / self.clear_interval if self.clear_interval > 0 else 1
+        stream.tokens = min(float(self.clear_burst), stream.tokens + refill)
+        stream.tokens_at = now
+        return stream.tokens >= 1
+
+    def _reset(
+        self, stream: _Stream, reason: Literal["restart", "lost"], lost: int = 0
+    ) -> StreamReset:
+        """A reset of ``stream``; the caller has checked :meth:`_may_clear`."""
+        stream.tokens -= 1
+        return StreamReset(stream.source, reason, lost)
+
+    def _suspend(self, stream: _Stream, seq: int | None) -> None:
+        """No token for the clear a discontinuity needs: skip until one is back, then resync."""
+        if not stream.suspended:
+            stream.suspended = True
+            endpoint = stream.source.endpoint
+            self._warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, seq=seq)
+        self.stats["bad_frame:throttled"] += 1
+
+    def _resync(
+        self, stream: _Stream, frames: list[bytes], seq: int, out: list[Message | StreamReset]
+    ) -> list[Message | StreamReset]:
+        """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
+        self.stats["resyncs"] += 1
+        endpoint = stream.source.endpoint
+        self._warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+        stream.suspended = False
+        stream.jumped_to = None
+        out.append(self._reset(stream, "restart"))
+        stream.last = stream.live_last = seq
+        stream.replayed_through = -1
+        out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
+        return out
+
     def _receive(self, stream: _Stream, frames: list[bytes]) -> list[Message | StreamReset]:
         seq = self._check(stream, frames)
         if seq is None:
             return []
         self.stats["messages"] += 1
         out: list[Message | StreamReset] = []
+        endpoint = stream.source.endpoint
+        if stream.suspended:
+            if not self._may_clear(stream):
+                self._suspend(stream, seq)
+                return out
+            return self._resync(stream, frames, seq, out)
         last = stream.last
         if last is not None and seq <= last:
             if stream.live_last < seq <= stream.replayed_through:
                 self.stats["duplicates"] += 1
                 stream.live_last = seq
                 return out
+            if not self._may_clear(stream):
+                self._suspend(stream, seq)
+                return out
             self.stats["restarts"] += 1
-            log.warning("publisher restarted", stream=stream.source.endpoint, seq=seq, last=last)
-            out.append(StreamReset(stream.source, "restart"))
+            self._warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
+            out.append(self._reset(stream, "restart"))
             stream.last, last = None, None
             stream.live_last = stream.replayed_through = -1
         expected = 0 if last is None else last + 1
         if seq > expected:
+            if last is not None and seq - expected > self.max_gap:
+                if stream.jumped_to is None or seq != stream.jumped_to + 1:
+                    stream.jumped_to = seq
+                    self._bad(stream, "seq_jump", seq)
+                    return out
+                if not self._may_clear(stream):  # it did move there: start over
+                    self._suspend(stream, seq)
+                    return out
+                return self._resync(stream, frames, seq, out)
             if last is not None:
                 self.stats["gaps"] += 1
-                log.info("gap detected", stream=stream.source.endpoint, expected=expected, seq=seq)
+                self._info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
             out.extend(self._recover(stream, expected, seq))
+            if stream.suspended:
+                self.stats["bad_frame:throttled"] += 1
+                return out
             stream.live_last = seq
             if stream.last is not None and seq <= stream.last:
                 self.stats["duplicates"] += 1
                 return out  # the replay already delivered this one
+        stream.jumped_to = None
         stream.last = stream.live_last = seq
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
@@ -255,10 +519,16 @@ class Subscriber:
     ) -> list[Message | StreamReset]:
         """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
         replay socket. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at
-        the point of the loss, in stream order."""
+        the point of the loss, in stream order.
+
+        A loss of more than ``max_gap`` batches (from the start of a stream whose first batch is
+        far past 0, as a relay's are, or a replay answering with such a batch) is a resync, with
+        nothing counted lost. A loss that finds no clear token suspends the stream and ends the
+        recovery there."""
         replayed = self._replay(stream, start) if stream.source.replay_endpoint else []
         out: list[Message | StreamReset] = []
         expected = start
+        endpoint = stream.source.endpoint
         for message in [*replayed, None]:
             if message is None and live_seq is None:
                 break
@@ -267,12 +537,20 @@ class Subscriber:
             if seq < expected:
                 continue  # already delivered
             if seq > expected:
+                if not self._may_clear(stream):
+                    self._suspend_quietly(stream)
+                    return out
                 lost = seq - expected
-                self.stats["lost"] += lost
-                log.warning(
-                    "batches lost", stream=stream.source.endpoint, first=expected, count=lost
-                )
-                out.append(StreamReset(stream.source, "lost", lost))
+                if lost > self.max_gap:
+                    self.stats["resyncs"] += 1
+                    self._warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+                    out.append(self._reset(stream, "restart"))
+                else:
+                    self.stats["lost"] += lost
+                    self._warn(
+                        "batches lost", (endpoint,), stream=endpoint, first=expected, count=lost
+                    )
+                    out.append(self._reset(stream, "lost", lost))
             if message is None:
                 break
             expected = seq + 1
@@ -282,23 +560,41 @@ class Subscriber:
             out.append(message)
         return out
 
+    def _suspend_quietly(self, stream: _Stream) -> None:
+        """:meth:`_suspend` without counting: the live message that led here is counted."""
+        if not stream.suspended:
+            stream.suspended = True
+            endpoint = stream.source.endpoint
+            self._warn("clears throttled, stream suspended", (endpoint,), stream=endpoint)
+
     def _replay(self, stream: _Stream, start: int) -> list[Message]:
-        """Ask the replay socket for every batch from ``start``; both vLLM reply layouts."""
+        """Ask the replay socket for every batch from ``start``; both vLLM reply layouts.
+
+        Reads at most ``replay_max_messages`` batches and ``replay_max_bytes`` of payload; past
+        that the answer is abandoned (its DEALER closed), and what it held counts as lost."""
         self.stats["replays"] += 1
         source = stream.source
         assert source.replay_endpoint is not None
         if stream.dealer is None:
             stream.dealer = self.context.socket(zmq.DEALER)
             stream.dealer.setsockopt(zmq.LINGER, 0)
+            stream.dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            stream.dealer.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
             stream.dealer.connect(connect_address(source.replay_endpoint))
         dealer = stream.dealer
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         messages: list[Message] = []
+        size = 0
         deadline = time.monotonic() + self.replay_timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
-                log.warning("replay timed out", stream=source.replay_endpoint, start=start)
+                self._warn(
+                    "replay timed out",
+                    (source.replay_endpoint,),
+                    stream=source.replay_endpoint,
+                    start=start,
+                )
                 self.stats["replay_timeouts"] += 1
                 dealer.close(0)  # late replies must not be read as the next replay's
                 stream.dealer = None
@@ -322,4 +618,17 @@ class Subscriber:
                 self._bad(stream, "oversized", seq)
                 continue
             messages.append(Message(source, seq, topic, payload, time.time_ns(), replayed=True))
+            size += len(payload)
+            if len(messages) >= self.replay_max_messages or size >= self.replay_max_bytes:
+                self.stats["replay_truncated"] += 1
+                self._warn(
+                    "replay answer truncated",
+                    (source.replay_endpoint,),
+                    stream=source.replay_endpoint,
+                    messages=len(messages),
+                    bytes=size,
+                )
+                dealer.close(0)  # the rest of this answer must not be read as the next one
+                stream.dealer = None
+                break
         return messages

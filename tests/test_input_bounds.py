@@ -1,0 +1,242 @@
+"""The subscriber's input bounds over real sockets on 127.0.0.1: a per-poll budget shared
+round-robin by the sources, frames refused by ZMQ past ``MAXMSGSIZE``, sequence jumps, clears
+rate-limited per source, and log lines limited per stream and reason (issue 10, input side).
+
+A :class:`Publisher` stands in for each engine; the subscriber never decodes a payload, so
+the payloads are arbitrary bytes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import structlog
+import zmq
+
+from kvbridge.adapters.logs import DEFAULT_BURST
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.zmq import (
+    DEFAULT_CLEAR_BURST,
+    MAXMSGSIZE_MARGIN,
+    Message,
+    Source,
+    StreamReset,
+    Subscriber,
+)
+
+LOCAL = "tcp://127.0.0.1:0"
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def engine(ctx: zmq.Context[zmq.Socket[bytes]], worker_id: int = 1) -> tuple[Publisher, Source]:
+    """A publisher without a replay socket and the Source that connects to it."""
+    publisher = Publisher(LOCAL, bind=True, context=ctx)
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    return publisher, Source(f"tcp://*:{port}", None, worker_id)
+
+
+def drain(subscriber: Subscriber, until: int, key: str = "messages") -> list[Message | StreamReset]:
+    """Poll until ``subscriber.stats[key]`` reaches ``until``."""
+    items: list[Message | StreamReset] = []
+    deadline = time.monotonic() + TIMEOUT
+    while subscriber.stats[key] < until:
+        assert time.monotonic() < deadline, dict(subscriber.stats)
+        items.extend(subscriber.poll(20))
+    return items
+
+
+def queued(subscriber: Subscriber, socket_count: int) -> None:
+    """Wait until ZMQ has everything published queued on the subscriber's side."""
+    time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- 1. budget
+
+
+def test_a_fast_source_does_not_starve_a_slow_one(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    (fast, fast_source), (slow, slow_source) = engine(ctx, 1), engine(ctx, 2)
+    with (
+        fast,
+        slow,
+        Subscriber(
+            [fast_source, slow_source], context=ctx, poll_budget=300, source_budget=200
+        ) as subscriber,
+    ):
+        assert fast.wait_for_subscribers(timeout=TIMEOUT)
+        assert slow.wait_for_subscribers(timeout=TIMEOUT)
+        for _ in range(5000):
+            fast.publish(b"f")
+        for _ in range(10):
+            slow.publish(b"s")
+        time.sleep(0.5)  # all of it queued in the SUB sockets
+        first = subscriber.poll(100)
+        by_source = Counter(item.source.worker_id for item in first)
+        # The slow source's 10 came out in the first poll, the fast one's were capped.
+        assert by_source == {1: 200, 2: 10}
+        second = subscriber.poll(100)
+        assert Counter(item.source.worker_id for item in second) == {1: 200}
+        rest = drain(subscriber, 5010)
+        stats = dict(subscriber.stats)
+
+    seqs = [item.seq for item in [*first, *second, *rest] if isinstance(item, Message)]
+    assert sorted(seqs) == sorted([*range(5000), *range(10)])
+    assert stats == {"messages": 5010}  # RCVHWM (10,000) held the backlog: nothing shed
+
+
+def test_the_poll_budget_is_shared_round_robin(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    engines = [engine(ctx, worker) for worker in range(8)]
+    sources = [source for _, source in engines]
+    with Subscriber(sources, context=ctx, poll_budget=100, source_budget=1000) as subscriber:
+        for publisher, _ in engines:
+            assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+            for _ in range(1000):
+                publisher.publish(b"x")
+        time.sleep(0.5)
+        served: Counter[int] = Counter()
+        for _ in range(16):
+            for item in subscriber.poll(100):
+                served[item.source.worker_id] += 1
+        for publisher, _ in engines:
+            publisher.close()
+    # 16 polls of 100 messages, in rounds of 32 per source, resuming where the last one
+    # stopped: every source got its share, within one round.
+    assert sum(served.values()) == 1600
+    assert max(served.values()) - min(served.values()) <= 32, served
+
+
+# --------------------------------------------------------------------------- 2. frame size
+
+
+def test_a_frame_past_maxmsgsize_is_refused_and_the_subscriber_reconnects(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher, source = engine(ctx)
+    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(b"ok")  # 0
+        drain(subscriber, 1)
+        publisher.publish(b"y" * 1500)  # 1: received, counted oversized
+        drain(subscriber, 1, "bad_frame:oversized")
+        publisher.publish(b"z" * (1024 + MAXMSGSIZE_MARGIN + 1))  # 2: refused by ZMQ
+        drain(subscriber, 1, "disconnects")
+        deadline = time.monotonic() + TIMEOUT
+        items: list[Message | StreamReset] = []
+        while subscriber.stats["messages"] < 2:  # until the reconnected SUB gets one
+            assert time.monotonic() < deadline, dict(subscriber.stats)
+            publisher.publish(b"ok")
+            items.extend(subscriber.poll(50))
+        stats = dict(subscriber.stats)
+
+    # The stream goes on after the refused frame: a gap, counted lost (no replay socket).
+    assert isinstance(items[0], StreamReset)
+    assert isinstance(items[1], Message) and items[1].seq >= 3
+    assert stats == {
+        "messages": 2,
+        "bad_frame:oversized": 1,
+        "disconnects": 1,
+        "gaps": 1,
+        "lost": items[1].seq - 1,
+    }
+
+
+# --------------------------------------------------------------------------- 3. sequences
+
+
+def test_a_jump_past_max_gap_is_bad_input_and_a_stream_that_moved_is_resynced(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher, source = engine(ctx)
+    with publisher, Subscriber([source], context=ctx, max_gap=1000) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for seq in (0, 1, 2**40, 2, 2**62, 2**62 + 1, 2**62 + 2):
+            publisher.publish(b"x", seq=seq)
+        items = drain(subscriber, 7)
+        stats = dict(subscriber.stats)
+
+    shape = [(i.seq,) if isinstance(i, Message) else (i.reason, i.lost_batches) for i in items]
+    assert shape == [(0,), (1,), (2,), ("restart", 0), (2**62 + 1,), (2**62 + 2,)]
+    assert stats == {"messages": 7, "bad_frame:seq_jump": 2, "resyncs": 1}
+
+
+def test_a_first_batch_far_past_zero_is_a_resync_not_a_loss(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher, source = engine(ctx)
+    first = time.time_ns() // 1000  # where a relay's output starts
+    with publisher, Subscriber([source], context=ctx) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(b"x", seq=first)
+        publisher.publish(b"x")
+        items = drain(subscriber, 2)
+        stats = dict(subscriber.stats)
+    assert [getattr(i, "seq", "reset") for i in items] == ["reset", first, first + 1]
+    assert stats == {"messages": 2, "resyncs": 1}
+
+
+@pytest.mark.parametrize("high", [2**64 - 2, 10_000], ids=["any-seq", "within-max-gap"])
+def test_random_sequence_numbers_make_a_bounded_number_of_clears(
+    ctx: zmq.Context[zmq.Socket[bytes]], high: int
+) -> None:
+    rng = random.Random(high)
+    publisher, source = engine(ctx)
+    started = time.monotonic()
+    with publisher, Subscriber([source], context=ctx) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for _ in range(5000):
+            publisher.publish(b"x", seq=rng.randrange(0, high))
+        items = drain(subscriber, 5000)
+        subscriber.poll(50)
+        stats = Counter(subscriber.stats)
+    elapsed = time.monotonic() - started
+
+    clears = sum(isinstance(item, StreamReset) for item in items)
+    delivered = sum(isinstance(item, Message) for item in items)
+    print(f"\nrandom seqs < {high}: {clears} clears in {elapsed:.1f} s, {dict(stats)}")
+    # At most clear_burst, then one a second (clear_interval), per source.
+    assert clears <= DEFAULT_CLEAR_BURST + elapsed + 1
+    assert clears == stats["restarts"] + stats["resyncs"] + sum(
+        isinstance(i, StreamReset) and i.reason == "lost" for i in items
+    )
+    # Every message is accounted for exactly once.
+    assert stats["messages"] == 5000
+    assert (
+        delivered + stats["duplicates"] + stats["bad_frame:seq_jump"] + stats["bad_frame:throttled"]
+        == 5000
+    )
+    assert stats["lost"] < 10_000 * 5000  # never 10**22
+
+
+# --------------------------------------------------------------------------- 4. logs
+
+
+def test_100k_garbage_frames_write_a_bounded_number_of_short_lines(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher, source = engine(ctx)
+    with (
+        structlog.testing.capture_logs() as lines,
+        publisher,
+        Subscriber([source], context=ctx) as subscriber,
+    ):
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for seq in range(100_000):
+            publisher.send_frames([b"t", seq.to_bytes(8, "big")])  # two frames: frame_count
+            if seq % 5000 == 0:
+                subscriber.poll(0)  # keep the SUB queue under its high-water mark
+        drain(subscriber, 100_000, "bad_frame:frame_count")
+        stats = dict(subscriber.stats)
+
+    assert stats == {"bad_frame:frame_count": 100_000}
+    assert len(lines) <= DEFAULT_BURST
+    assert all(len(repr(line)) < 2048 for line in lines)
