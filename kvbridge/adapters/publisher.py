@@ -48,14 +48,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Final, Self
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["END_SEQ", "Publisher", "should_bind"]
+__all__ = ["END_SEQ", "Publisher", "ReplayServer", "should_bind"]
 
 END_SEQ: Final[bytes] = b"\xff" * 8
 """Seq frame of the replay end marker: -1 as a signed 8-byte big-endian int."""
@@ -137,6 +137,7 @@ class Publisher:
         self._closed = False
         self._stop = threading.Event()
         self._replay_thread: threading.Thread | None = None
+        self._replay_server: ReplayServer | None = None
 
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if context is None else context
@@ -375,6 +376,19 @@ class Publisher:
         self._replay_thread = thread
         thread.start()
 
+    def _adopt_replays(self, server: ReplayServer, thread: threading.Thread) -> zmq.Socket[bytes]:
+        """Hand the ROUTER to ``server``'s thread, as :meth:`start_replay_thread` would to its
+        own; returns the socket for the server's poller."""
+        if self._router is None:
+            raise RuntimeError("no replay_endpoint was configured")
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        if self._replay_thread is not None:
+            raise RuntimeError("the replay thread is already running")
+        self._replay_thread = thread
+        self._replay_server = server
+        return self._router
+
     def _replay_loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -395,6 +409,8 @@ class Publisher:
             return
         self._closed = True
         self._stop.set()
+        if self._replay_server is not None:
+            self._replay_server.close()  # it serves this ROUTER: stop it before closing it
         thread = self._replay_thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -428,3 +444,46 @@ class Publisher:
             f"Publisher(endpoint={self._endpoint!r}, replay_endpoint={self._replay_endpoint!r}, "
             f"topic={self.topic!r}, closed={self._closed})"
         )
+
+
+class ReplayServer:
+    """Serves the replay ROUTERs of many publishers from one thread, with one poller.
+
+    :meth:`Publisher.start_replay_thread` runs a thread per publisher; a relay with 1,000
+    outputs would run 1,000 threads, each waking every 50 ms. This one thread sleeps in a single
+    ``zmq_poll`` over every ROUTER and answers whichever has requests. Each publisher's ROUTER
+    then belongs to this thread (as after ``start_replay_thread``); closing any of the
+    publishers stops the server, so close them all together (or :meth:`close` first).
+    """
+
+    def __init__(self, publishers: Iterable[Publisher]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-replays", daemon=True)
+        self._poller = zmq.Poller()
+        self._routers: dict[zmq.Socket[bytes], Publisher] = {}
+        for publisher in publishers:
+            router = publisher._adopt_replays(self, self._thread)
+            self._routers[router] = publisher
+            self._poller.register(router, zmq.POLLIN)
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        routers = self._routers
+        while not self._stop.is_set():
+            try:
+                for router, _ in self._poller.poll(_REPLAY_POLL_MS):
+                    routers[router].serve_replays(0)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+
+    def close(self) -> None:
+        """Stop the thread (within ``_REPLAY_POLL_MS``). Idempotent; the sockets stay open."""
+        self._stop.set()
+        thread = self._thread
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join()

@@ -60,7 +60,7 @@ import zmq
 
 from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
-from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.publisher import Publisher, ReplayServer
 from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, Subscriber
 from kvbridge.normalizers.batch import NormalizedBatch
 
@@ -78,6 +78,32 @@ PUBLISH_BURST: Final = 256
 25 us of normalizing each, the first of a burst goes out at most 6.4 ms later than it would
 alone, and the backlog as a whole is out sooner: 41 us a batch against 52 without bursts
 (2,299 queued batches through one core, best of 10 runs each)."""
+
+
+DEFAULT_OUTPUT_HWM: Final = 10_000
+"""``SNDHWM`` of each output's PUB socket: a consumer that never reads costs the relay at most
+this many canonical payloads; past it ZMQ drops, and the consumer sees a gap it can replay."""
+SOCKETS_PER_SOURCE: Final = 8
+"""ZMQ sockets a relayed source can use: SUB, its monitor (2), replay DEALER; PUB, its monitor
+(2), replay ROUTER."""
+SOCKET_HEADROOM: Final = 64
+
+
+def raise_limits(context: zmq.Context[zmq.Socket[bytes]], sockets: int) -> None:
+    """Make room for ``sockets`` ZMQ sockets: the context's ``MAX_SOCKETS`` (1,023 by default;
+    effective only before the context's first socket) and the soft ``RLIMIT_NOFILE``, up to the
+    hard limit (a socket takes an fd for its mailbox, and a connection or listener another)."""
+    if context.get(zmq.MAX_SOCKETS) < sockets:
+        context.set(zmq.MAX_SOCKETS, min(sockets, context.get(zmq.SOCKET_LIMIT)))
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * sockets + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
@@ -127,12 +153,15 @@ class Relay:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         replay_on_start: bool = False,
         heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
+        output_hwm: int = DEFAULT_OUTPUT_HWM,
     ) -> None:
         if not sources:
             raise ValueError("a relay needs at least one source")
         self.block_size = block_size
         self.index = index
         self.context = context or zmq.Context.instance()
+        per_source = SOCKETS_PER_SOURCE if publish is not None else SOCKETS_PER_SOURCE - 4
+        raise_limits(self.context, len(sources) * per_source + SOCKET_HEADROOM)
         self.subscriber = Subscriber(
             sources,
             context=self.context,
@@ -173,6 +202,7 @@ class Relay:
                 context=self.context,
                 bind=True,
                 first_seq=first_seq,
+                hwm=output_hwm,
             )
             self.outputs[source] = publisher
             self.pipeline.add_source(source, _HeldSink(publisher, self._held))
@@ -180,7 +210,9 @@ class Relay:
             self.output_stats["opened"] += 1
             if publish_replay:
                 publisher.snapshot = self._snapshot_provider(source)
-                publisher.start_replay_thread()
+        replaying = [p for p in self.outputs.values() if p.replay_endpoint is not None]
+        self._replays = ReplayServer(replaying).start() if replaying else None
+        """One thread and one poller serve every output's replays (not a thread each)."""
 
     def endpoints(self, source: Source) -> tuple[str, str | None]:
         """The bound publish and replay endpoints that republish ``source``."""
@@ -291,6 +323,8 @@ class Relay:
         while not self._snapshots.empty():  # no thread will take them now
             self._snapshots.get_nowait()[1].cancel()
         self.subscriber.close()
+        if self._replays is not None:
+            self._replays.close()
         for publisher in self.outputs.values():
             publisher.close()
 
