@@ -13,6 +13,7 @@ released; this class is its typed face.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from typing import Final
@@ -114,6 +115,9 @@ class Normalizer:
             max_blocks,
             max_contexts,
         )
+        self._lock = threading.Lock()
+        """The core works without the GIL: a reader on another thread (a metrics scrape)
+        waits for it here instead of finding its state borrowed."""
         self._log = structlog.get_logger("kvbridge.normalizer").bind(worker_id=worker_id)
 
     # -- public API -----------------------------------------------------------------------
@@ -150,12 +154,14 @@ class Normalizer:
         else:
             payload, unknown = bytes(batch), 0
         try:
-            output = self._core.normalize(payload, seq, reset_first)
+            with self._lock:
+                output = self._core.normalize(payload, seq, reset_first)
         except _core.PayloadError as error:
             message, event_index, field = error.args
             raise SchemaError(message, event_index=event_index, field=field) from None
         if unknown:
-            self._core.add_unknown_fields(unknown)
+            with self._lock:
+                self._core.add_unknown_fields(unknown)
         self._log_first_drops()
         return NormalizedBatch(output)
 
@@ -182,44 +188,55 @@ class Normalizer:
         on their next use rather than when vLLM happens to recompute them.
         """
         if not keep_identities:
-            return NormalizedBatch(self._core.reset(dp_rank))
+            with self._lock:
+                return NormalizedBatch(self._core.reset(dp_rank))
         if dp_rank is None:
             raise ValueError("keep_identities resets one rank: give its dp_rank")
-        return NormalizedBatch(self._core.reset_lost(dp_rank))
+        with self._lock:
+            return NormalizedBatch(self._core.reset_lost(dp_rank))
 
     def process_snapshot(self, dp_rank: int) -> NormalizedBatch:
         """Everything a rank holds, for a consumer that knows nothing: a clear of the rank,
         then a store of every resident block on each tier, parents first. A relay answers a
         replay request older than its buffer with this, and opens a stream with it."""
-        return NormalizedBatch(self._core.snapshot(dp_rank))
+        with self._lock:
+            return NormalizedBatch(self._core.snapshot(dp_rank))
 
     @property
     def reanchored_blocks(self) -> int:
         """Blocks announced again after a loss because a store named them as its ancestors."""
-        return self._core.reanchored_blocks
+        with self._lock:
+            return self._core.reanchored_blocks
 
     @property
     def forwarded(self) -> Counter[tuple[str, Tier]]:
         """Blocks forwarded, by (``"stored"`` | ``"removed"`` | ``"cleared"``, tier); a clear
         counts once per tier."""
-        return Counter({(kind, _TIERS[tier]): n for kind, tier, n in self._core.forwarded()})
+        with self._lock:
+            return Counter({(kind, _TIERS[tier]): n for kind, tier, n in self._core.forwarded()})
 
     @property
     def dropped(self) -> Counter[tuple[str, str, str]]:
         """Blocks not forwarded, by (``"stored"`` | ``"removed"``, tier or ``"unknown"``,
         :class:`DropReason`)."""
-        return Counter({(kind, tier, reason): n for kind, tier, reason, n in self._core.dropped()})
+        with self._lock:
+            return Counter(
+                {(kind, tier, reason): n for kind, tier, reason, n in self._core.dropped()}
+            )
 
     @property
     def unknown_fields(self) -> int:
         """Unknown fields the decoder ignored in this stream's batches."""
-        return self._core.unknown_fields
+        with self._lock:
+            return self._core.unknown_fields
 
     @property
     def stats(self) -> Counter[str]:
         """Blocks not forwarded, by :class:`DropReason`, plus ``unknown_field``."""
         totals: Counter[str] = Counter()
-        for _, _, reason, count in self._core.dropped():
+        with self._lock:
+            dropped = self._core.dropped()
+        for _, _, reason, count in dropped:
             totals[reason] += count
         if self.unknown_fields:
             totals[DropReason.UNKNOWN_FIELD] = self.unknown_fields
@@ -228,30 +245,37 @@ class Normalizer:
     @property
     def dp_ranks(self) -> list[int]:
         """The data-parallel ranks this stream has named, sorted."""
-        return self._core.dp_ranks()
+        with self._lock:
+            return self._core.dp_ranks()
 
     def resident_blocks(self, dp_rank: int, tier: Tier) -> int:
         """How many distinct blocks are resident on one tier of one rank."""
-        return self._core.resident_blocks(dp_rank, _TIERS.index(tier))
+        with self._lock:
+            return self._core.resident_blocks(dp_rank, _TIERS.index(tier))
 
     @property
     def evictions(self) -> dict[str, int]:
         """State given up to stay within the caps: ``ranks`` forgotten (and cleared
         downstream), ``blocks`` evicted (and removed downstream), and ``context_compactions``
         of the (LoRA name, cache salt) table."""
-        ranks, blocks, compactions = self._core.evictions()
+        with self._lock:
+            ranks, blocks, compactions = self._core.evictions()
         return {"ranks": ranks, "blocks": blocks, "context_compactions": compactions}
 
     def tracked_blocks(self) -> tuple[int, int]:
         """Engine hashes the state holds, over every rank: (live, retired)."""
-        return self._core.tracked_blocks()
+        with self._lock:
+            return self._core.tracked_blocks()
 
     def heap_bytes(self) -> int:
         """Bytes of heap the state holds, by the core's own accounting."""
-        return self._core.heap_bytes()
+        with self._lock:
+            return self._core.heap_bytes()
 
     def _log_first_drops(self) -> None:
-        for reason, kind, tier, medium in self._core.take_first_drops():
+        with self._lock:
+            first_drops = self._core.take_first_drops()
+        for reason, kind, tier, medium in first_drops:
             self._log.warning("event dropped", reason=reason, kind=kind, tier=tier, medium=medium)
 
 
