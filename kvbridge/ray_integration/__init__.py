@@ -37,12 +37,11 @@ from kvbridge.ray_integration.routing import (
 )
 
 if TYPE_CHECKING:
-    from kvbridge.ray_integration.router import DynamoKVRouter as DynamoLLMRouter
+    from kvbridge.ray_integration.router import DynamoKVRouter as DynamoLLMRouter  # noqa: F401
 
 __all__ = [
     "ROUTING_STATS_KEY",
     "DynamoKVRouter",
-    "DynamoLLMRouter",
     "KVEventPorts",
     "KVEventsAdvert",
     "KVEventsReplica",
@@ -59,7 +58,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # DynamoLLMRouter imports ray.serve.llm, which loads vLLM: only when asked for.
+    # DynamoLLMRouter imports ray.serve.llm, which loads vLLM: only when asked for (and not in
+    # __all__, so that `import *` works where ray.serve.llm cannot be imported).
     if name == "DynamoLLMRouter":
         from kvbridge.ray_integration import llm_router
 
