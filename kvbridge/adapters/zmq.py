@@ -49,7 +49,8 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
   ``clear_burst`` [:data:`DEFAULT_CLEAR_BURST`] and refills at one token per
   ``clear_interval`` s [:data:`DEFAULT_CLEAR_INTERVAL_S`]. A restart, gap or jump that finds the
   bucket empty *suspends* the stream: no replay, every message skipped and counted
-  ``bad_frame:throttled`` until a token is back; the first message after that is a resync. So
+  ``bad_frame:throttled`` until a token is back; the first message after that is a resync,
+  and the sequence numbers it skips forward (up to ``max_gap``) are counted ``lost``. So
   a source gets at most ``clear_burst + T / clear_interval`` clears in ``T`` seconds, whatever
   its sequence numbers do.
 - **logs**: every per-frame line goes through a :class:`~kvbridge.adapters.logs.LogLimiter`, per
@@ -470,6 +471,9 @@ class Subscriber:
             if not self._may_clear(stream):
                 self._suspend(stream, seq)
                 return out
+            last = stream.last
+            if last is not None and 0 < seq - last - 1 <= self.max_gap:
+                self.stats["lost"] += seq - last - 1  # shed or skipped while suspended
             return self._resync(stream, frames, seq, out)
         last = stream.last
         if last is not None and seq <= last:
