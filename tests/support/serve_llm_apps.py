@@ -160,7 +160,10 @@ E2E_ENV: Final = {
     # cpu_offload_spec, for the OffloadingConnector in the engine processes
     "PYTHONPATH": str(ROOT / "tools" / "vllm_cpu"),
 }
-CPU_TIER_BYTES: Final = 1 << 20
+CPU_TIER_BYTES: Final = 4 << 20
+"""128 blocks of 32 KiB: twice the GPU pool, so that what GPU pressure evicts is still on CPU."""
+PRESSURE_PROMPTS: Final = 14
+"""Each brings 5 new blocks to the replica holding ``a``: 70, more than its 63 usable."""
 RESULT_PREFIX: Final = "KVBRIDGE-SERVE-E2E "
 """Starts serve-e2e's result line (Ray and vLLM log on stdout too)."""
 
@@ -218,6 +221,12 @@ def e2e_requests() -> list[tuple[str, str, dict[str, Any]]]:
                 {"messages": [system, {"role": "user", "content": f"Question numéro {i + 1}"}]},
             )
         )
+    # GPU pressure on a's replica: prompts that share a's first block (so they go there) and
+    # bring 5 new blocks each; a's other blocks leave the GPU but stay in the CPU tier.
+    for i in range(PRESSURE_PROMPTS):
+        filler = "".join(chr(48 + (i * 13 + j * 3) % 75) for j in range(160))
+        requests.append((f"pressure {i}", "/v1/completions", {"prompt": a[:32] + filler}))
+    requests.append(("a after pressure", "/v1/completions", {"prompt": f"{a} encore"}))
     return requests
 
 
