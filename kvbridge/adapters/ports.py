@@ -13,8 +13,19 @@ from typing import Final
 
 __all__ = ["free_port_range", "port_free"]
 
-_PORT_RANGE: Final = (20_000, 60_000)
+_LOWEST_PORT: Final = 20_000
 _PORT_ATTEMPTS: Final = 200
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports from 20000 up to the kernel's ephemeral range: a port there can be taken only by
+    a bind, never by an outgoing connection between the moment it is found free and its use."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            ephemeral = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32_768
+    return _LOWEST_PORT, max(ephemeral, _LOWEST_PORT + 1_000)
 
 
 def port_free(port: int) -> bool:
@@ -38,7 +49,7 @@ def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
     if count <= 0:
         raise ValueError(f"count must be positive, got {count}")
     rng = rng or random.SystemRandom()
-    low, high = _PORT_RANGE
+    low, high = _port_range()
     for _ in range(_PORT_ATTEMPTS):
         base = rng.randrange(low, high - count)
         if all(port_free(base + offset) for offset in range(count)):
