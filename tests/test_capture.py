@@ -1,7 +1,7 @@
 """``.kvcap`` captures: the file format, its errors, and ``kvbridge record`` / ``kvbridge replay``
 end to end as subprocesses over real sockets on 127.0.0.1 (acceptance 5).
 
-Facts: /work/shared/facts/vllm-kv-events.md sections 1 and 8.
+The wire format: README.md, "The relay in front of Dynamo" and "Captures".
 """
 
 from __future__ import annotations

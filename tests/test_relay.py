@@ -10,8 +10,8 @@
    serving.
 4. The relay's Prometheus metrics after a stream with tiers, drops, a replayed gap and a restart.
 
-Facts: /work/shared/facts/dynamo-indexer.md sections 3-4 and
-/work/shared/facts/vllm-kv-events.md sections 1, 8, 9, 13.
+The relay, its replay protocol and Dynamo's listener: README.md, "The relay in front of Dynamo"
+and "Failure modes".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ protocol (every buffered batch from the requested seq on) returns that live batc
 costs one replay that delivers the dropped run *plus* the live batch, whose live copy is then a
 duplicate.
 
-Facts: /work/shared/facts/vllm-kv-events.md sections 1 and 8.
+The wire format and replay protocol: README.md, "The relay in front of Dynamo".
 """
 
 from __future__ import annotations

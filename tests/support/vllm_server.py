@@ -13,7 +13,7 @@ raw listener on its KV-event socket.
   with msgspec's generic msgpack decoder, not kvbridge's schemas, so that the test can compare
   the relay's counters against an independent reading of what the engine published.
 
-Engine flags and environment: /work/shared/facts/vllm-on-cpu.md, sections 2-4.
+Engine flags and environment: tools/vllm_cpu/README.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The engine binds its KV-event PUB socket on ``tcp://*:PORT`` and its replay ROUT
 The manifest (JSON) lists the scenario, the vLLM version, the engine arguments, the environment
 that matters, every prompt as token ids in submission order with its phase, and timings.
 
-Engine settings and environment follow /work/shared/facts/vllm-on-cpu.md (section 2). Prompts
+Engine settings and environment follow tools/vllm_cpu/README.md. Prompts
 are token-id prompts (``{"prompt_token_ids": [...]}``), so event ``token_ids`` equal the ids
 given here; ids 3..258 are the tiny tokenizer's byte tokens. Sampling is greedy, 8 tokens,
 ``ignore_eos``. Every prompt set is derived from fixed seeds, so re-recording is reproducible

@@ -14,7 +14,7 @@ writes into DIR (about 28 KB, under a second):
   The scenarios pass token ids directly, so the tokenizer is only loaded, never relied on.
 - ``generation_config.json`` and a trivial ``role: content`` chat template.
 
-See /work/shared/facts/vllm-on-cpu.md, section 2.2. Runs in any Python 3 (the scenarios import
+See tools/vllm_cpu/README.md. Runs in any Python 3 (the scenarios import
 it inside the vLLM venv).
 """
 
