@@ -9,6 +9,7 @@
 3. Bad frames are counted by reason (relay metrics, ``kvbridge watch``) and the relay keeps
    serving.
 4. The relay's Prometheus metrics after a stream with tiers, drops, a replayed gap and a restart.
+5. The outputs of a worker with two dp ranks name each its own rank before any batch has.
 
 The relay, its replay protocol and Dynamo's listener: README.md, "The relay in front of Dynamo"
 and "Failure modes".
@@ -23,7 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 from support.relay import (
     BLOCK_SIZE,
     RelayProcess,
@@ -40,6 +43,8 @@ from support.selection import Overlap, SelectionHarness
 
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.zmq import Source
 from kvbridge.schemas.vllm import Event
 
 LOCAL = "tcp://127.0.0.1:0"
@@ -551,3 +556,51 @@ def test_relay_restart_with_lost_batches_clears_dynamo(
     assert harness.overlap(later[1]) == {(1, 0): (1, 1, 1)}
     assert harness.overlap(later[0]) == {(1, 0): (1, 1, 1)}  # batch 2, recovered at start
     assert harness.overlap(old) == {}  # actual: {(1, 0): (2, 2, 2)}, evicted long ago
+
+
+# --------------------------------------------------------------------------- 5. dp ranks
+
+
+def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
+    """A worker with two dp ranks is two sources; before either publishes, output 1's opening
+    clear, its heartbeats and its snapshot answer all name rank 1 (the source's rank by vLLM's
+    port layout), so that none of them clears or re-announces rank 0 in Dynamo."""
+    base = free_port_range(6)
+    sources = [Source(f"tcp://127.0.0.1:{base + rank}", worker_id=7) for rank in (0, 1)]
+    ctx = zmq.Context()
+    with Relay(
+        sources,
+        block_size=BLOCK_SIZE,
+        publish=f"tcp://127.0.0.1:{base + 2}",
+        publish_replay=f"tcp://127.0.0.1:{base + 4}",
+        heartbeat_s=0.2,
+        context=ctx,
+    ) as relay:
+        opened = {source: relay.outputs[source].next_seq - 1 for source in sources}
+        live = ctx.socket(zmq.SUB)
+        live.setsockopt(zmq.SUBSCRIBE, b"")
+        live.setsockopt(zmq.RCVTIMEO, 5000)
+        live.connect(relay.endpoints(sources[1])[0])
+        relay.start()
+
+        def replay(source: Source, start: int) -> list[tuple[float, list[object], int]]:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVTIMEO, 5000)
+            dealer.connect(relay.endpoints(source)[1] or "")
+            dealer.send_multipart([b"", seq8(start)])
+            batches = []
+            while (frames := dealer.recv_multipart())[-1]:
+                batches.append(msgspec.msgpack.decode(frames[-1]))
+            dealer.close(linger=0)
+            return batches
+
+        for rank, source in enumerate(sources):
+            assert replay(source, opened[source])[0][1:] == [[{"type": "AllBlocksCleared"}], rank]
+        _, events, rank = msgspec.msgpack.decode(live.recv_multipart()[-1])
+        assert (events, rank) == ([], 1), "a heartbeat of output 1"
+        snapshot, *after = [batch[1:] for batch in replay(sources[1], 0)]
+        assert snapshot == [[{"type": "AllBlocksCleared"}], 1], "a snapshot of output 1"
+        assert all(batch == [[], 1] for batch in after), "heartbeats published since"
+        assert relay.output_stats["snapshots"] == 1
+        live.close(linger=0)
+    ctx.term()

@@ -109,12 +109,16 @@ class WorkerState:
     """One worker's normalizer, shared by its sources (one per dp rank), and what the pipeline
     remembers per source to reset exactly what that source delivered."""
 
-    __slots__ = ("lag", "normalizer", "ranks", "uncleared")
+    __slots__ = ("lag", "layout_ranks", "normalizer", "ranks", "uncleared")
 
     def __init__(self, normalizer: Normalizer) -> None:
         self.normalizer = normalizer
         self.ranks: dict[Source, set[int]] = {}
         """The dp ranks seen on each source, to clear when that source resets."""
+        self.layout_ranks: dict[Source, int] = {}
+        """The rank each registered source publishes by vLLM's layout (its position among the
+        worker's sources, as vLLM offsets a dp rank's port by the rank), for what must name a
+        rank before any batch has (an opening clear, a heartbeat, a snapshot)."""
         self.uncleared: set[Source] = set()
         """Sources reset before any batch named their rank: the first one that does is
         preceded by a clear of that rank, since a consumer may hold its blocks from before."""
@@ -165,7 +169,16 @@ class StreamPipeline:
         with sinks that get only this source's events."""
         if sinks:
             self.source_sinks.setdefault(source, []).extend(sinks)
-        return self.worker(source.worker_id)
+        worker = self.worker(source.worker_id)
+        worker.layout_ranks.setdefault(source, len(worker.layout_ranks))
+        return worker
+
+    def source_ranks(self, source: Source) -> list[int]:
+        """The dp ranks ``source`` delivered, in order; before any batch, the rank it publishes
+        by vLLM's layout (rank 0 for a source never registered with :meth:`add_source`)."""
+        worker = self.worker(source.worker_id)
+        seen = worker.ranks.get(source)
+        return sorted(seen) if seen else [worker.layout_ranks.get(source, 0)]
 
     def feed(self, item: Message | StreamReset) -> None:
         """What a :class:`~kvbridge.adapters.zmq.Subscriber` hands out: a batch or a reset."""
@@ -238,10 +251,10 @@ class StreamPipeline:
 
     def snapshot(self, source: Source) -> list[NormalizedBatch]:
         """Everything ``source`` delivered, for a consumer that knows nothing: per dp rank it
-        named (rank 0 if none yet), a clear of the rank then every resident block."""
-        worker = self.worker(source.worker_id)
-        ranks = worker.ranks.get(source) or {0}
-        return [worker.normalizer.process_snapshot(rank) for rank in sorted(ranks)]
+        named (its layout rank if none yet, see :meth:`source_ranks`), a clear of the rank then
+        every resident block."""
+        normalizer = self.worker(source.worker_id).normalizer
+        return [normalizer.process_snapshot(rank) for rank in self.source_ranks(source)]
 
     def _emit(self, source: Source, batch: NormalizedBatch, ts: float) -> None:
         if not batch:

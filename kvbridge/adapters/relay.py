@@ -26,7 +26,8 @@ What a listener behind the relay can always recover from (checked against Dynamo
 listener, see the README's "Failure modes"):
 
 - **The stream opens with the state it holds.** Each output's first batch is a clear (a fresh
-  relay holds nothing, while a listener may hold a previous run's blocks) of rank 0; a
+  relay holds nothing, while a listener may hold a previous run's blocks) of the rank the
+  source publishes by vLLM's layout (a worker's ``i``-th source is its dp rank ``i``); a
   listener that missed it (or holds another rank) is past it in sequence, and its replay
   request, older than the buffer, gets a snapshot.
 - **Heartbeats.** An output that sent nothing for :data:`DEFAULT_HEARTBEAT_S` publishes an
@@ -116,7 +117,7 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     return f"{head}:{int(port) + offset}"
 
 
-def _opening_clear(ts: float, dp_rank: int = 0) -> bytes:
+def _opening_clear(ts: float, dp_rank: int) -> bytes:
     """A fresh relay's first batch on an output: it holds nothing, so a clear of the rank (the
     normalizer's own state is untouched, so that its counts stay those of the stream)."""
     return msgspec.msgpack.encode((ts, [{"type": "AllBlocksCleared"}], dp_rank))
@@ -206,7 +207,8 @@ class Relay:
             )
             self.outputs[source] = publisher
             self.pipeline.add_source(source, _HeldSink(publisher, self._held))
-            publisher.publish(_opening_clear(time.time()))
+            (rank,) = self.pipeline.source_ranks(source)
+            publisher.publish(_opening_clear(time.time(), rank))
             self.output_stats["opened"] += 1
             if publish_replay:
                 publisher.snapshot = self._snapshot_provider(source)
@@ -281,8 +283,7 @@ class Relay:
         for source, publisher in self.outputs.items():
             if now - publisher.last_sent < interval:
                 continue
-            ranks = self.pipeline.worker(source.worker_id).ranks.get(source)
-            rank = max(ranks) if ranks else 0
+            rank = self.pipeline.source_ranks(source)[-1]
             publisher.publish(msgspec.msgpack.encode((time.time(), [], rank)))
             self.output_stats["heartbeats"] += 1
 
