@@ -216,6 +216,40 @@ def test_engine_restart_as_a_new_process(rig: Rig) -> None:
     assert rig.metric("kvbridge_gaps_total") == 0
 
 
+def test_engine_restart_whose_sequence_passed_the_old_last(rig: Rig) -> None:
+    """The relay is frozen (SIGSTOP) while the engine is replaced, and the new process
+    publishes more batches than the old one did before the relay can reconnect: its sequence
+    continues past the old last, so only the drop shows the restart. The relay checks the
+    publisher after the reconnect (the new engine's batch at the old last seq is other bytes),
+    clears the worker downstream and replays the new engine from 0."""
+    relay = rig.start_relay()
+    rig.start_dynamo()
+    rig.use(PROMPTS[:6])
+    rig.converge()
+    old_last = rig.engine.total_published - 1
+    os.kill(relay.process.pid, signal.SIGSTOP)
+    try:
+        rig.engine.close()
+        rig.engine = rig.new_engine()
+        rig.use(PROMPTS[20:])
+        assert rig.engine.total_published > old_last + 1
+    finally:
+        os.kill(relay.process.pid, signal.SIGCONT)
+    assert rig.engine.wait_for_subscribers(timeout=10)
+    rig.use(PROMPTS[:2])
+    rig.converge()
+    assert rig.metric("kvbridge_disconnects_total") == 1
+    assert rig.metric("kvbridge_reconnect_checks_total") == 1
+    assert rig.metric("kvbridge_restarts_total") == 1
+    assert rig.metric("kvbridge_gaps_total") == 0  # a restart, replayed from 0: not a gap
+    assert rig.metric("kvbridge_lost_batches_total") == 0
+    # Every batch of both processes taken in once: the new one's through the replay from 0,
+    # but for its live batches that the replay had not reached yet.
+    relay_in = _samples(relay)[("kvbridge_batches_total", frozenset({("direction", "in")}))]
+    assert relay_in == old_last + 1 + rig.engine.total_published
+    assert rig.metric("kvbridge_replayed_batches_total") >= rig.engine.total_published - 2
+
+
 def _dropping(rig: Rig, drop: Callable[[int], bool]) -> list[bool]:
     """Make the engine's PUB drop the batches ``drop(n)`` picks (the n-th batch from now); they
     stay in its replay buffer. After each batch that does go out, wait until the relay has taken

@@ -138,13 +138,15 @@ def test_a_frame_past_maxmsgsize_is_refused_and_the_subscriber_reconnects(
             items.extend(subscriber.poll(50))
         stats = dict(subscriber.stats)
 
-    # The stream goes on after the refused frame: a gap, counted lost (no replay socket).
+    # The stream goes on after the refused frame: the publisher is checked (without a replay
+    # socket it is taken as the same), and the gap is counted lost.
     assert isinstance(items[0], StreamReset)
     assert isinstance(items[1], Message) and items[1].seq >= 3
     assert stats == {
         "messages": 2,
         "bad_frame:oversized": 1,
         "disconnects": 1,
+        "reconnect_checks": 1,
         "gaps": 1,
         "lost": items[1].seq - 1,
     }

@@ -30,6 +30,19 @@ METRICS: dict[str, str] = {
     "kvbridge_lost_batches_total": "Batches no replay could recover (the worker was cleared)",
     "kvbridge_restarts_total": "Publisher restarts detected (sequence went backwards)",
     "kvbridge_duplicate_batches_total": "Live batches already delivered by a replay",
+    "kvbridge_resyncs_total": "Streams started over at a far sequence (a jump it did take, or "
+    "the first message after a throttled stretch)",
+    "kvbridge_disconnects_total": "Connections to a publisher that dropped",
+    "kvbridge_reconnect_checks_total": "Publishers checked after a drop (same process or new)",
+    "kvbridge_replay_timeouts_total": "Replay requests unanswered within the timeout",
+    "kvbridge_replay_truncated_total": "Replay answers cut at their bound (the rest counted lost)",
+    "kvbridge_output_batches_total": "Batches the relay made itself, by kind: opening (the "
+    "clear an output opens with), heartbeat, snapshot (answers to replays older than the buffer)",
+    "kvbridge_state_evictions_total": "State given up to stay within the caps, by kind: ranks, "
+    "blocks, context_compactions",
+    "kvbridge_reanchored_blocks_total": "Blocks announced again after a loss, re-anchored by a "
+    "store naming them as ancestors",
+    "kvbridge_tracked_blocks": "Engine hashes the state holds per worker, by state: live, retired",
     "kvbridge_lag_seconds": "Time from the engine step to the relay, last batch per worker",
     "kvbridge_resident_blocks": "Distinct blocks resident per worker, dp rank and tier",
 }
@@ -58,6 +71,13 @@ class _Collector:
         blocks = _counter("kvbridge_blocks_total", ["worker", "type", "tier", "outcome"])
         clears = _counter("kvbridge_clears_total", ["worker", "tier"])
         unknown = _counter("kvbridge_unknown_fields_total", ["worker"])
+        evictions = _counter("kvbridge_state_evictions_total", ["worker", "kind"])
+        reanchored = _counter("kvbridge_reanchored_blocks_total", ["worker"])
+        tracked = GaugeMetricFamily(
+            "kvbridge_tracked_blocks",
+            METRICS["kvbridge_tracked_blocks"],
+            labels=["worker", "state"],
+        )
         lag = GaugeMetricFamily(
             "kvbridge_lag_seconds", METRICS["kvbridge_lag_seconds"], labels=["worker"]
         )
@@ -77,16 +97,29 @@ class _Collector:
             for (kind, tier_name, reason), count in normalizer.dropped.items():
                 blocks.add_metric([name, kind, tier_name, reason], count)
             unknown.add_metric([name], normalizer.unknown_fields)
+            for kind, count in normalizer.evictions.items():
+                evictions.add_metric([name, kind], count)
+            reanchored.add_metric([name], normalizer.reanchored_blocks)
+            for state, count in zip(("live", "retired"), normalizer.tracked_blocks(), strict=True):
+                tracked.add_metric([name, state], count)
             lag.add_metric([name], worker.lag)
             for rank in normalizer.dp_ranks:
                 for tier in Tier:
                     count = normalizer.resident_blocks(rank, tier)
                     resident.add_metric([name, str(rank), tier.value], count)
-        yield from (blocks, clears, unknown, lag, resident)
+        yield from (blocks, clears, unknown, evictions, reanchored, tracked, lag, resident)
         batches = _counter("kvbridge_batches_total", ["direction"])
         batches.add_metric(["in"], relay.stats["batches_in"])
         batches.add_metric(["out"], relay.stats["batches_out"])
         yield batches
+        made = _counter("kvbridge_output_batches_total", ["kind"])
+        for kind, key in (
+            ("opening", "opened"),
+            ("heartbeat", "heartbeats"),
+            ("snapshot", "snapshots"),
+        ):
+            made.add_metric([kind], relay.output_stats[key])
+        yield made
 
     def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:
         own = self.relay.stats if self.relay is not None else {}
@@ -102,6 +135,11 @@ class _Collector:
             ("kvbridge_lost_batches_total", "lost"),
             ("kvbridge_restarts_total", "restarts"),
             ("kvbridge_duplicate_batches_total", "duplicates"),
+            ("kvbridge_resyncs_total", "resyncs"),
+            ("kvbridge_disconnects_total", "disconnects"),
+            ("kvbridge_reconnect_checks_total", "reconnect_checks"),
+            ("kvbridge_replay_timeouts_total", "replay_timeouts"),
+            ("kvbridge_replay_truncated_total", "replay_truncated"),
         ):
             family = _counter(name, [])
             family.add_metric([], subscriber.stats[key])

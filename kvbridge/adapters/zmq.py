@@ -17,6 +17,17 @@ What it does about sequence numbers, per source:
   consumer to clear the worker, since a lost removal would leave a stale block behind;
 - **restart** (the sequence goes backwards, outside a window just covered by a replay): a
   :class:`StreamReset`, then the stream starts over;
+- **reconnects**: a SUB socket's connection that drops (the engine exited, a frame ZMQ refused,
+  ZMTP heartbeats unanswered for :data:`HEARTBEAT_TIMEOUT_MS`) is seen by a socket monitor
+  (``disconnects``). The engine may have been replaced by a new process whose sequence has
+  already passed the old last, which the sequence numbers alone cannot show. So the first
+  message after a drop that continues the sequence checks the publisher
+  (``reconnect_checks``): it asks the replay socket for the last batch delivered. The same
+  bytes mean the same process, and that answer also fills the gap; anything else (different
+  bytes, nothing, a buffer that no longer holds it) is a restart (``restarts``): a
+  :class:`StreamReset`, then a replay from 0. Consistency comes before stale hits. Without a
+  replay endpoint the publisher is taken as the same, and a gap after the drop is lost and
+  clears the worker downstream anyway;
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes): counted by reason and skipped.
 
@@ -97,6 +108,10 @@ DEFAULT_CLEAR_BURST: Final = 3
 DEFAULT_CLEAR_INTERVAL_S: Final = 1.0
 DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
 DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
+HEARTBEAT_IVL_MS: Final = 2000
+HEARTBEAT_TIMEOUT_MS: Final = 6000
+"""ZMTP pings on every SUB: a publisher that stops answering (its host gone, no FIN) is
+dropped after this, and the drop is handled as any other (see the module's "reconnects")."""
 
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 
@@ -172,8 +187,10 @@ class _Stream:
         "dealer",
         "jumped_to",
         "last",
+        "last_payload",
         "live_last",
         "monitor",
+        "reconnected",
         "replayed_through",
         "socket",
         "source",
@@ -198,6 +215,12 @@ class _Stream:
         self.dealer: zmq.Socket[bytes] | None = None
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
+        self.last_payload = b""
+        """The payload of batch ``last``, to tell after a reconnect whether the publisher is
+        the same (its replay of that sequence is the same bytes) or a new process."""
+        self.reconnected = False
+        """The connection dropped since the last message: check the publisher (see the
+        module's "reconnects") before the next message is taken as a continuation."""
         self.live_last = -1
         """Highest sequence received live."""
         self.replayed_through = -1
@@ -241,7 +264,7 @@ class Subscriber:
         self.replay_max_bytes = replay_max_bytes
         self.stats: Counter[str] = Counter()
         """``messages``, ``gaps``, ``replays``, ``replayed``, ``lost``, ``restarts``,
-        ``duplicates``, ``resyncs``, ``disconnects``, ``replay_timeouts``,
+        ``duplicates``, ``resyncs``, ``disconnects``, ``reconnect_checks``, ``replay_timeouts``,
         ``replay_truncated`` and ``bad_frame:<reason>`` (``oversized``, ``seq_jump``,
         ``throttled``...)."""
         self._warn = LogLimiter(log.warning)
@@ -278,15 +301,15 @@ class Subscriber:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, self.rcvhwm)
         socket.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         return socket
 
     def _attach(self, stream: _Stream) -> None:
         """Monitor (if it connects), bind or connect and poll ``stream.socket``."""
         source, socket = stream.source, stream.socket
-        if self._monitor and not source.subscriber_binds:
-            # Only a connecting SUB stays down after ZMQ refused a frame; a bound one is
-            # reconnected by its peer.
+        if self._monitor:
             stream.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitors[stream.monitor] = stream
             self._poller.register(stream.monitor, zmq.POLLIN)
@@ -362,7 +385,9 @@ class Subscriber:
 
     def _disconnected(self, stream: _Stream) -> None:
         """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (it does not reconnect after
-        that), or the engine went away (it would). Reconnect either way."""
+        that), the engine went away, or its heartbeats stopped. A connecting SUB is reopened
+        (a bound one is reconnected by its peer); either way the publisher is checked before
+        its next message (see the module's "reconnects")."""
         monitor = stream.monitor
         assert monitor is not None
         while True:
@@ -371,6 +396,7 @@ class Subscriber:
             except zmq.Again:
                 break
             self.stats["disconnects"] += 1
+        stream.reconnected = stream.last is not None
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:
             # A new socket: reconnecting the old one (disconnect, connect) can abort libzmq
@@ -456,6 +482,7 @@ class Subscriber:
         stream.jumped_to = None
         out.append(self._reset(stream, "restart"))
         stream.last = stream.live_last = seq
+        stream.last_payload = frames[2]
         stream.replayed_through = -1
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
@@ -476,8 +503,15 @@ class Subscriber:
                 self.stats["lost"] += seq - last - 1  # shed or skipped while suspended
             return self._resync(stream, frames, seq, out)
         last = stream.last
-        if last is not None and seq <= last:
-            if stream.live_last < seq <= stream.replayed_through:
+        checked: list[Message] | None = None
+        replaced = False  # a new process, its sequence already past the old last
+        if stream.reconnected:
+            stream.reconnected = False
+            if last is not None and seq > last:
+                checked = self._check_publisher(stream, last)
+                replaced = checked is None
+        if last is not None and (replaced or seq <= last):
+            if not replaced and stream.live_last < seq <= stream.replayed_through:
                 self.stats["duplicates"] += 1
                 stream.live_last = seq
                 return out
@@ -503,7 +537,7 @@ class Subscriber:
             if last is not None:
                 self.stats["gaps"] += 1
                 self._info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
-            out.extend(self._recover(stream, expected, seq))
+            out.extend(self._recover(stream, expected, seq, checked))
             if stream.suspended:
                 self.stats["bad_frame:throttled"] += 1
                 return out
@@ -513,23 +547,45 @@ class Subscriber:
                 return out  # the replay already delivered this one
         stream.jumped_to = None
         stream.last = stream.live_last = seq
+        stream.last_payload = frames[2]
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
+
+    def _check_publisher(self, stream: _Stream, last: int) -> list[Message] | None:
+        """After a reconnect: the replay from ``last`` if its first batch is the one delivered
+        as ``last`` (the same publisher, so the replay fills what the drop cost), else ``None``
+        (a new process, or one that cannot show it is not). Without a replay endpoint the
+        publisher is taken as the same: a gap then counts as lost and clears downstream."""
+        self.stats["reconnect_checks"] += 1
+        if not stream.source.replay_endpoint:
+            return []
+        answer = self._replay(stream, last)
+        if answer and answer[0].seq == last and answer[0].payload == stream.last_payload:
+            return answer
+        endpoint = stream.source.endpoint
+        self._warn("publisher replaced", (endpoint,), stream=endpoint, last=last)
+        return None
 
     # -- replay ------------------------------------------------------------------------------
 
     def _recover(
-        self, stream: _Stream, start: int, live_seq: int | None
+        self,
+        stream: _Stream,
+        start: int,
+        live_seq: int | None,
+        replayed: list[Message] | None = None,
     ) -> list[Message | StreamReset]:
         """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
-        replay socket. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at
-        the point of the loss, in stream order.
+        replay socket, unless ``replayed`` is an answer already fetched from ``start`` or
+        before. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at the point
+        of the loss, in stream order.
 
         A loss of more than ``max_gap`` batches (from the start of a stream whose first batch is
         far past 0, as a relay's are, or a replay answering with such a batch) is a resync, with
         nothing counted lost. A loss that finds no clear token suspends the stream and ends the
         recovery there."""
-        replayed = self._replay(stream, start) if stream.source.replay_endpoint else []
+        if replayed is None:
+            replayed = self._replay(stream, start) if stream.source.replay_endpoint else []
         out: list[Message | StreamReset] = []
         expected = start
         endpoint = stream.source.endpoint
@@ -559,6 +615,7 @@ class Subscriber:
                 break
             expected = seq + 1
             stream.last = seq
+            stream.last_payload = message.payload
             stream.replayed_through = max(stream.replayed_through, seq)
             self.stats["replayed"] += 1
             out.append(message)
