@@ -33,9 +33,11 @@ from kvbridge.adapters.capture import (
     CaptureReader,
     CaptureWriter,
     capture_streams,
+    read_prompts,
     replay_streams,
 )
 from kvbridge.adapters.dynamo import TieredIndex
+from kvbridge.adapters.dynamo_compare import compare_captures
 from kvbridge.adapters.endpoints import (
     Endpoint,
     EndpointError,
@@ -421,6 +423,8 @@ def _record(args: argparse.Namespace) -> int:
     }
     if args.block_size is not None:
         meta["block_size"] = args.block_size
+    if args.prompts is not None:
+        meta["prompts"] = msgspec.to_builtins(read_prompts(args.prompts))
     stop = _until(args)
     with (
         Subscriber(
@@ -524,6 +528,10 @@ def _validate(args: argparse.Namespace) -> int:
         return 0
     if not args.captures:
         raise _UsageError("give at least one capture")
+    for flag, given in (("--prompts", args.prompts), ("--fail-on-dynamo-diff", args.fail_on_diff)):
+        if given and not args.compare_dynamo:
+            raise _UsageError(f"{flag} goes with --compare-dynamo")
+    prompts = None if args.prompts is None else read_prompts(args.prompts)
     report = validate_captures(
         args.captures,
         strict=args.strict,
@@ -532,11 +540,15 @@ def _validate(args: argparse.Namespace) -> int:
         min_frames=args.min_frames or 0,
         require_media=args.require_medium or (),
     )
+    if args.compare_dynamo:
+        comparison = compare_captures(args.captures, block_size=args.block_size, prompts=prompts)
+        report = msgspec.structs.replace(report, dynamo=comparison)
     if args.format == "json":
         _print(msgspec.json.format(msgspec.json.encode(report)).decode())
     else:
         _print(render_text(report))
-    return 0 if report.valid else 1
+    differs = args.fail_on_diff and report.dynamo is not None and report.dynamo.differs
+    return 0 if report.valid and not differs else 1
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -689,6 +701,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="the engines' block size, kept in the capture for demo and validate",
     )
+    record.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="the prompts of the traffic, as token ids, kept in the capture's header: a JSON "
+        "list of token-id lists or of objects with token_ids (and a name)",
+    )
     record.set_defaults(run=_record)
 
     replay = commands.add_parser(
@@ -758,6 +776,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MEDIUM",
         help="fail unless some event has this medium, e.g. CPU (repeatable; an event without "
         "a medium is GPU)",
+    )
+    validate.add_argument(
+        "--compare-dynamo",
+        action="store_true",
+        help="also replay the captures into a real Dynamo SelectionService, raw and through "
+        "kvbridge, and report the blocks and prompt overlaps Dynamo alone gets wrong",
+    )
+    validate.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="with --compare-dynamo: prompts to ask both services about instead of the "
+        "captures' own (a JSON list as record --prompts takes, or an object with 'prompts')",
+    )
+    validate.add_argument(
+        "--fail-on-dynamo-diff",
+        dest="fail_on_diff",
+        action="store_true",
+        help="with --compare-dynamo: exit 1 if Dynamo alone differs",
     )
     validate.add_argument(
         "--json-schema", action="store_true", help="print the JSON Schema of the JSON report"

@@ -8,7 +8,10 @@ The format is small enough to read with any msgpack library::
 
 The first record is the header, a map: ``{"format": "kvcap", "version": 1, "created_ns": int,
 "meta": {...}}``; ``meta`` is free-form (kvbridge puts the recording command, the engine
-arguments of a golden capture, or the prompts of the bundled sample there). Every following
+arguments of a golden capture, or the prompts of the bundled sample there). The one key kvbridge
+reads back besides ``block_size`` is ``prompts``: the prompts the capture's traffic was made of,
+as ``[{"name": str, "token_ids": [int, ...]}, ...]`` (``kvbridge record --prompts``), so that
+``demo`` and ``validate --compare-dynamo`` can speak of prompts as well as blocks. Every following
 record is a frame record, an array ``[received_ns, stream, worker_id, frames]``:
 
 - ``received_ns``: wall-clock receive time, integer nanoseconds since the epoch;
@@ -30,7 +33,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, Literal, Self
+from typing import IO, Annotated, Any, Final, Literal, Self
 
 import msgspec
 
@@ -42,8 +45,11 @@ __all__ = [
     "CaptureReader",
     "CaptureWriter",
     "FrameRecord",
+    "Prompt",
     "StreamReplay",
     "capture_streams",
+    "prompts_of",
+    "read_prompts",
     "replay_capture",
     "replay_streams",
 ]
@@ -71,6 +77,63 @@ class FrameRecord(msgspec.Struct, array_like=True, frozen=True):
         if len(self.frames) == 3 and len(self.frames[1]) == 8:
             return int.from_bytes(self.frames[1], "big")
         return None
+
+
+class Prompt(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A prompt as token ids, the way Dynamo is asked about it (no tokenizer needed to read it)."""
+
+    name: str
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]]
+    """Token ids are u32, as Dynamo keeps them."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    """The request's cache salt as vLLM takes it, without Dynamo's prefix."""
+
+
+def prompts_of(items: Any) -> list[Prompt]:
+    """Prompts from a list whose items are token-id lists or objects with ``token_ids``.
+
+    An object's ``name`` names it, else its ``index`` (a golden capture's manifest), else its
+    position. Other keys are ignored, so a manifest's prompts read as they are.
+
+    Raises:
+        ValueError: not such a list.
+    """
+    if not isinstance(items, list):
+        raise ValueError("prompts must be a list of token-id lists or objects with token_ids")
+    prompts = []
+    for position, item in enumerate(items):
+        fields = {"token_ids": item} if isinstance(item, list) else item
+        if not isinstance(fields, dict):
+            raise ValueError(f"prompt {position}: neither a token-id list nor an object")
+        name = fields.get("name", fields.get("index", position))
+        known = {
+            key: fields[key] for key in ("token_ids", "lora_name", "cache_salt") if key in fields
+        }
+        try:
+            prompts.append(msgspec.convert({**known, "name": str(name)}, Prompt))
+        except msgspec.ValidationError as error:
+            raise ValueError(f"prompt {position}: {error}") from None
+    return prompts
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSON file: a list (see :func:`prompts_of`), or an object whose
+    ``prompts`` is one, such as a golden capture's manifest.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON of that shape.
+    """
+    try:
+        data = msgspec.json.decode(Path(path).read_bytes())
+    except msgspec.DecodeError as error:
+        raise ValueError(f"{path}: not JSON: {error}") from None
+    items = data.get("prompts") if isinstance(data, dict) else data
+    try:
+        return prompts_of(items)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 class _Header(msgspec.Struct):
@@ -146,6 +209,18 @@ class CaptureReader:
             raise CaptureError(f"{self.path}: unsupported capture version {header.version}")
         self.created_ns = header.created_ns
         self.meta = header.meta
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompts the header carries (``meta["prompts"]``), none if it carries none.
+
+        Raises:
+            CaptureError: the header's ``prompts`` is not a list of prompts.
+        """
+        try:
+            return prompts_of(self.meta.get("prompts", []))
+        except ValueError as error:
+            raise CaptureError(f"{self.path}: header prompts: {error}") from None
 
     def _bodies(self) -> Iterator[memoryview]:
         view = memoryview(self._data)

@@ -14,6 +14,11 @@ fewer frames than ``min_frames`` over all captures, or no event with a medium of
 is ``GPU``) in any capture. Each such requirement left unmet is one line of
 :attr:`Report.unmet`.
 
+With ``--compare-dynamo`` the report also carries :attr:`Report.dynamo`, what a real Dynamo
+gets wrong on these captures without kvbridge
+(:func:`~kvbridge.adapters.dynamo_compare.compare_captures`); it does not change
+:attr:`Report.valid`.
+
 The JSON report is a :class:`Report`; ``kvbridge validate --json-schema`` prints its schema.
 """
 
@@ -28,6 +33,7 @@ import msgspec
 from msgspec.structs import replace
 
 from kvbridge.adapters.capture import CaptureReader, FrameRecord
+from kvbridge.adapters.dynamo_compare import DynamoComparison, first_block_size, render_comparison
 from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.normalizers import DropReason
 from kvbridge.schemas import BlockRemoved, BlockStored, SchemaError, VllmBatch, decode_batch
@@ -78,6 +84,9 @@ class Report(msgspec.Struct):
     """Events (stores and removals) by medium, upper-cased; an event without one is ``GPU``."""
     unmet: list[str] = []
     """Requirements the captures do not meet (no frames, too few frames, a missing medium)."""
+    dynamo: DynamoComparison | None = None
+    """With ``--compare-dynamo``: Dynamo fed the raw streams against Dynamo fed through
+    kvbridge."""
 
 
 class _Stream:
@@ -98,7 +107,7 @@ class _Stream:
     def normalize(self, record: FrameRecord, batch: VllmBatch) -> Counter[str]:
         """Normalize a record's decoded batch; returns what it added to the drop counters."""
         if self.pipeline is None:
-            size = self.block_size or _block_size_of(batch)
+            size = self.block_size or first_block_size(batch)
             if size is None:
                 return Counter()  # nothing indexable yet: wait for a store with tokens
             self.pipeline = StreamPipeline(size)
@@ -109,13 +118,6 @@ class _Stream:
         for (_, _, reason), count in (normalizer.dropped - before).items():
             added[reason] += count
         return added
-
-
-def _block_size_of(batch: VllmBatch) -> int | None:
-    for event in batch.events:
-        if isinstance(event, BlockStored) and event.token_ids and event.block_size:
-            return event.block_size
-    return None
 
 
 def _check_frames(record: FrameRecord) -> tuple[str, str] | None:
@@ -229,7 +231,8 @@ def validate_captures(
 
 
 def render_text(report: Report) -> str:
-    """The human-readable report: one line per problem, then the summary."""
+    """The human-readable report: one line per problem, then the summary, then the comparison
+    with Dynamo if there is one."""
     lines = []
     for problem in report.problems:
         seq = "-" if problem.seq is None else problem.seq
@@ -250,4 +253,6 @@ def render_text(report: Report) -> str:
     if report.dropped:
         not_forwarded = ", ".join(f"{k}={v}" for k, v in report.dropped.items())
         lines.append(f"  not forwarded (blocks): {not_forwarded}")
+    if report.dynamo is not None:
+        lines.append(render_comparison(report.dynamo))
     return "\n".join(lines)
