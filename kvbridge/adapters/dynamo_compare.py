@@ -242,28 +242,36 @@ class _Ledger:
         )
         if event.is_placeholder:
             identities = [self.identities.get((worker, value)) for value in hashes]
-            cause: str | None = Cause.PLACEHOLDER
         else:
             identities = list(self._identify(worker, event, hashes, parent))
-            cause = None
-        if rejected:
-            cause = Cause.BYTES_HASHES
-        elif event.medium is not None and event.medium not in _DYNAMO_MEDIA:
-            cause = Cause.MEDIUM_SPELLING
-        elif (worker, parent) in self.foreign:
-            cause = Cause.SECOND_ENGINE
+        cause = self._store_cause(worker, event, parent, rejected)
         for value, identity in zip(hashes, identities, strict=True):
             if identity is None:
-                continue
+                continue  # a placeholder kvbridge cannot resolve either
             key = (worker, rank, tier.value, identity.key)
             self.counts[key] += 1
-            block_cause = cause or (Cause.RAW_CACHE_SALT if identity.salt_raw else None)
-            if block_cause is not None:
-                self.missing[key] = block_cause
             if identity.salt_raw and cause is None:
+                self.missing[key] = Cause.RAW_CACHE_SALT
                 self.stale[(worker, rank, tier.value, identity.unsalted)] = Cause.RAW_CACHE_SALT
-            if cause is None:
+            elif cause is not None:
+                self.missing[key] = cause
+            else:
+                self.missing.pop(key, None)  # Dynamo got it: a difference is its parent's
                 self._own(worker, tier, value, identity.key)
+
+    def _store_cause(
+        self, worker: int, event: BlockStored, parent: int | None, rejected: bool
+    ) -> str | None:
+        """Why Dynamo would not store this event's blocks as kvbridge does, if it would not."""
+        if rejected:
+            return Cause.BYTES_HASHES
+        if event.medium is not None and event.medium not in _DYNAMO_MEDIA:
+            return Cause.MEDIUM_SPELLING
+        if event.is_placeholder:
+            return Cause.PLACEHOLDER
+        if (worker, parent) in self.foreign:
+            return Cause.SECOND_ENGINE
+        return None
 
     def _identify(
         self, worker: int, event: BlockStored, hashes: list[int], parent: int | None
@@ -731,18 +739,16 @@ def _causes(
     differing = set(keys)
     result: dict[_Key, str] = {}
     for key in keys:
-        path = []
+        chain = []
         current: _Key | None = key
-        cause = None
-        while current is not None and current not in result:
-            cause = known.get(current)
-            if cause is not None:
-                break
-            path.append(current)
+        while current is not None and current not in result and current not in known:
+            chain.append(current)
             current = _differing_parent(current, side, differing)
-        if cause is None:
-            cause = result.get(current, Cause.UNEXPLAINED) if current else Cause.UNEXPLAINED
-        for step in [*path, *([current] if current and current not in result else [])]:
+        if current is None:
+            cause = Cause.UNEXPLAINED
+        else:
+            cause = result.setdefault(current, known.get(current, Cause.UNEXPLAINED))
+        for step in chain:
             result[step] = cause
     return result
 
