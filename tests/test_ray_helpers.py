@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -107,10 +108,10 @@ def test_invalid_advert_says_why(advert: dict[str, object], message: str) -> Non
 
 
 def test_prompt_tokens_from_kwargs_and_bodies() -> None:
-    assert prompt_tokens((), {"prompt_token_ids": [1, 2, 3]}) == [1, 2, 3]
-    assert prompt_tokens((), {"token_ids": (4, 5)}) == [4, 5]
-    assert prompt_tokens(({"prompt": [7, 8]},), {}) == [7, 8]
-    assert prompt_tokens((SimpleNamespace(prompt_token_ids=[9]),), {}) == [9]
+    assert prompt_tokens((), {"prompt_token_ids": [1, 2, 3]}) == array("I", [1, 2, 3])
+    assert prompt_tokens((), {"token_ids": (4, 5)}) == array("I", [4, 5])
+    assert prompt_tokens(({"prompt": [7, 8]},), {}) == array("I", [7, 8])
+    assert prompt_tokens((SimpleNamespace(prompt_token_ids=[9]),), {}) == array("I", [9])
     assert prompt_tokens(({"prompt": "hello"},), {}) is None  # text needs a tokenizer
     assert prompt_tokens((), {}) is None
     assert prompt_tokens((), {"prompt_token_ids": []}) is None
@@ -123,10 +124,10 @@ def test_prompt_tokens_from_kwargs_and_bodies() -> None:
 
 def test_tokenizer_hook_for_text_and_chat() -> None:
     tokenizer = load_tokenizer("support.tokenizers:bytes_tokenizer")
-    assert prompt_tokens(({"prompt": "hi"},), {}, tokenizer) == [104, 105]
+    assert prompt_tokens(({"prompt": "hi"},), {}, tokenizer) == array("I", [104, 105])
     chat = {"messages": [{"role": "user", "content": "ok"}]}
-    assert prompt_tokens((chat,), {}, tokenizer) == [111, 107]
-    assert prompt_tokens(({"prompt": [3]},), {}, tokenizer) == [3]  # tokens win
+    assert prompt_tokens((chat,), {}, tokenizer) == array("I", [111, 107])
+    assert prompt_tokens(({"prompt": [3]},), {}, tokenizer) == array("I", [3])  # tokens win
 
 
 @pytest.mark.parametrize(

@@ -49,20 +49,26 @@ def _field(body: object, name: str) -> Any:
     return getattr(body, name, None)
 
 
-def _token_ids(value: object) -> list[int] | None:
-    """``value`` as a non-empty list of u32 token ids, or ``None`` if it is not one."""
+def _token_ids(value: object) -> array[int] | None:
+    """``value`` as a non-empty ``array("I")`` of u32 token ids, or ``None`` if it is not one.
+
+    ``array("I", value)`` checks every id in C (an integer, and a u32) and packs the ids as the
+    little-endian u32s Dynamo hashes, in one pass: the router hashes the array's own bytes
+    (:meth:`~kvbridge.ray_integration.RoutingState.choose`), with no list made back from it.
+    """
     if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
         return None
     try:
-        return array("I", value).tolist()  # C checks: integers, and each a u32
+        return array("I", value)
     except (TypeError, OverflowError):
         return None
 
 
 def prompt_tokens(
     args: Sequence[Any], kwargs: Mapping[str, Any], tokenizer: Tokenizer | None = None
-) -> list[int] | None:
-    """The request's prompt token ids, or ``None`` if it has none the router can find."""
+) -> array[int] | None:
+    """The request's prompt token ids (as ``array("I")``), or ``None`` if it has none the
+    router can find."""
     for name in TOKEN_FIELDS:
         if name in kwargs:
             return _token_ids(kwargs[name])

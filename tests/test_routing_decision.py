@@ -1,0 +1,89 @@
+"""``RoutingState.choose``: one Dynamo call per decision, and the ranking when Serve asks again.
+
+Three ``SimulatedEngine`` replicas, registered with the state's real Dynamo ``SelectionService``:
+A has cached all 6 blocks of the prompt, B its first 3, C nothing. The first answer is Dynamo's
+pick alone, with the pick's overlap by tier taken from ``select_and_reserve``; Serve asks again
+for the same request when the pick is full, and that answer ranks the others by their overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from kvbridge.adapters.dynamo import Overlap
+from kvbridge.ray_integration import KVEventsAdvert, RoutingState, worker_id_for
+from kvbridge.testing import SimulatedEngine
+
+BLOCK = 16
+PROMPT = [300 + i for i in range(BLOCK * 6)]
+REPLICAS = ("ra", "rb", "rc")
+
+
+@pytest.fixture
+def state() -> Iterator[RoutingState]:
+    engines = [SimulatedEngine(block_size=BLOCK) for _ in REPLICAS]
+    state = RoutingState("decision#test", block_size=BLOCK)
+    try:
+        stats = {
+            replica: KVEventsAdvert(
+                endpoints={0: engine.endpoint}, block_size=BLOCK
+            ).routing_stats()
+            for replica, engine in zip(REPLICAS, engines, strict=True)
+        }
+        registering = state.sync(stats, complete=True)
+        assert registering is not None
+        registering.result(10)
+        for engine in engines:
+            assert engine.wait_for_subscribers(1)
+        time.sleep(0.2)
+        engines[0].generate(PROMPT)
+        engines[1].generate(PROMPT[: BLOCK * 3])
+        workers = state.ready_workers(REPLICAS)
+        deadline = time.monotonic() + 10
+        while asyncio.run(_device_overlap(state, workers)) != 6:
+            assert time.monotonic() < deadline, "Dynamo never indexed A's prompt"
+            time.sleep(0.05)
+        yield state
+    finally:
+        state.close()
+        for engine in engines:
+            engine.close()
+
+
+async def _device_overlap(state: RoutingState, workers: dict[int, str]) -> int:
+    choice = await state.choose("probe", PROMPT, workers)
+    state.release("probe")
+    return choice.overlap.device
+
+
+def test_first_answer_is_the_pick_and_a_repeat_ranks_the_others(state: RoutingState) -> None:
+    workers = state.ready_workers(REPLICAS)
+    a, b, c = (worker_id_for(replica) for replica in REPLICAS)
+
+    async def decide() -> None:
+        first = await state.choose("request", array("I", PROMPT), workers)
+        assert (first.worker_id, first.ranking) == (a, [[a]])
+        assert first.overlap == Overlap(6, 6, 6)
+        # Serve asks again (the pick is full): same pick, same reservation, the others ranked.
+        again = await state.choose("request", PROMPT, workers)
+        assert again.selection_id == first.selection_id
+        assert again.ranking == [[a], [b], [c]]
+        assert again.overlap == first.overlap
+        assert await state.choose("request", PROMPT, workers) == again  # ranked once
+
+    asyncio.run(decide())
+    assert state.stats.outcomes["repeat"] == 2
+    assert state.reservations == 1
+    assert state.client.active_reservations() == 1
+    state.release("request")
+    deadline = time.monotonic() + 5
+    while state.client.active_reservations():
+        assert time.monotonic() < deadline, "the reservation was never freed"
+        time.sleep(0.01)
