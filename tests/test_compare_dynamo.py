@@ -280,8 +280,8 @@ def test_cli_exit_codes_and_text() -> None:
     assert result.returncode == 0, result.stderr  # valid: a difference is not invalid data
     lines = result.stdout.splitlines()
     assert lines[0] == "valid: 42 frames, 275 events, 0 invalid frames in 1 capture(s)"
-    assert lines[1].startswith("Dynamo alone vs through kvbridge: DIFFERS (32 missing, 0 stale")
-    assert lines[2:] == [
+    assert lines[1:] == [
+        "Dynamo alone vs through kvbridge: DIFFERS (32 missing, 0 stale in 1 capture(s))",
         "  worker 0 dp 0 device: alone 62, bridged 62",
         "  worker 0 dp 0 host_pinned: alone 0, bridged 32; missing 32 (placeholder_cpu_event 32)",
     ]
@@ -421,3 +421,20 @@ def test_a_10k_batch_capture_is_compared_within_30_s(tmp_path: Path) -> None:
         (0, 0, "device", 255, 255, {}, {}),
         (0, 0, "host_pinned", 0, 1024, {Cause.PLACEHOLDER: 1024}, {}),
     ]
+
+
+def test_readme_shows_what_the_command_prints() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- compare-dynamo-example -->\n```\n", 1)[1].split("```", 1)[0]
+    command, *shown = block.splitlines()
+    args = command.removeprefix("$ kvbridge ").split()
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == shown

@@ -805,12 +805,12 @@ def _by_cause(causes: Mapping[str, int]) -> str:
 
 
 def render_comparison(comparison: DynamoComparison) -> str:
-    """The comparison as text: a verdict, one line per worker, rank and tier, one per prompt."""
+    """The comparison as text: a verdict, one line per worker, rank and tier, then the prompts
+    whose overlap differs (the JSON report has every prompt)."""
     verdict = "DIFFERS" if comparison.differs else "same"
     lines = [
         f"Dynamo alone vs through kvbridge: {verdict} ({comparison.missing} missing, "
-        f"{comparison.stale} stale in {len(comparison.captures)} capture(s), "
-        f"{comparison.seconds:.1f} s)"
+        f"{comparison.stale} stale in {len(comparison.captures)} capture(s))"
     ]
     for entry in comparison.resident:
         line = (
@@ -822,13 +822,17 @@ def render_comparison(comparison: DynamoComparison) -> str:
         if entry.stale:
             line += f"; stale {sum(entry.stale.values())} ({_by_cause(entry.stale)})"
         lines.append(line)
+    changed = [prompt for prompt in comparison.prompts if prompt.differs]
     if comparison.prompts:
-        lines.append("  prompt overlap, device/host/disk blocks, alone -> bridged:")
-    for prompt in comparison.prompts:
-        mark = "  *" if prompt.differs else "   "
+        lines.append(
+            f"  prompts whose overlap differs: {len(changed)} of {len(comparison.prompts)}"
+            + (" (device/host/disk blocks, alone -> bridged)" if changed else "")
+        )
+    for prompt in changed:
         each = "; ".join(
             f"worker {w.worker_id} dp {w.dp_rank} {_counts(w.alone)} -> {_counts(w.bridged)}"
             for w in prompt.workers
+            if w.alone != w.bridged
         )
-        lines.append(f"  {mark} {prompt.prompt} ({prompt.blocks} blocks): {each or 'no overlap'}")
+        lines.append(f"    prompt {prompt.prompt} ({prompt.blocks} blocks): {each}")
     return "\n".join(lines)
