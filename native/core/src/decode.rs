@@ -206,9 +206,14 @@ pub fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, Sch
     if payload.is_empty() {
         return Err(batch_error("empty payload"));
     }
-    // Most payloads are valid: one pass over them. Anything that fails is decoded again the
-    // exact way, framing every event before decoding any, since that decides which error a
+    // Most payloads are valid and shaped as vLLM writes them: a pass that takes only that
+    // shape. Anything else gets one general pass, and anything that fails that is decoded again
+    // the exact way, framing every event before decoding any, since that decides which error a
     // payload with several problems reports.
+    if let Some(batch) = fast::decode(payload, arena) {
+        return Ok(batch);
+    }
+    arena.clear();
     if let Some(batch) = decode_in_one_pass(payload, arena) {
         return Ok(batch);
     }
@@ -238,13 +243,12 @@ fn decode_in_one_pass<'a>(payload: &'a [u8], arena: &mut Arena) -> Option<Batch<
     let (mut arrays, mut maps, mut fast, mut unknown) = (false, false, true, 0);
     let mut at = reader.position();
     for index in 0..count {
-        let (decoded, used) = decode_event(index, &payload[at..], arena).ok()?;
+        let (decoded, used) = decode_event(index, &payload[at..], arena, &mut events).ok()?;
         at += used;
         arrays |= decoded.array;
         maps |= !decoded.array;
         fast &= decoded.fast;
         unknown += decoded.unknown;
-        events.push(decoded.event);
     }
     let mut reader = Reader::new(&payload[at..]);
     let dp_rank = if fields >= 3 {
@@ -361,7 +365,7 @@ fn decode_batch<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, S
     let (mut arrays, mut maps) = (false, false);
     let mut fast = extra_batch_fields == 0;
     for (index, raw) in raws.into_iter().enumerate() {
-        let (decoded, _) = decode_event(index, raw, arena)?;
+        let (decoded, _) = decode_event(index, raw, arena, &mut events)?;
         if decoded.array {
             arrays = true;
         } else {
@@ -369,7 +373,6 @@ fn decode_batch<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, S
         }
         unknown += decoded.unknown;
         fast &= decoded.fast;
-        events.push(decoded.event);
     }
     // decode_batch first tries one strict pass per era; a batch it accepts there counts
     // nothing unknown, not even nil array positions past the array era.
@@ -384,8 +387,8 @@ fn decode_batch<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, S
     })
 }
 
-struct Decoded<'a> {
-    event: Event<'a>,
+struct Decoded {
+    tag: &'static str,
     array: bool,
     unknown: u64,
     /// Whether decode_batch's strict one-pass decoding would accept the event as it is.
@@ -395,21 +398,54 @@ struct Decoded<'a> {
 /// Events are enclosed by the batch and its events list.
 const EVENT_DEPTH: usize = 2;
 
-/// Decodes the event `raw` starts with (bytes may follow it); returns it and its length.
+/// Decodes the event `raw` starts with (bytes may follow it) onto `events`; returns what it
+/// was and its length.
 fn decode_event<'a>(
     index: usize,
     raw: &'a [u8],
     arena: &mut Arena,
-) -> Result<(Decoded<'a>, usize), SchemaError> {
+    events: &mut Vec<Event<'a>>,
+) -> Result<(Decoded, usize), SchemaError> {
+    // The event is built in its place: it is large, and moving it costs.
+    events.push(Event::Stored(Stored::default()));
+    let Some(Event::Stored(stored)) = events.last_mut() else {
+        unreachable!("just pushed");
+    };
     let mut reader = Reader::new(raw);
-    let decoded = match reader
-        .lax()
-        .map_err(|error| malformed_event(index, error))?
-    {
-        Lax::Item(Item::Array(len)) => decode_array_event(index, raw, len, &mut reader, arena),
-        Lax::Item(Item::Map(len)) => decode_map_event(index, raw, len, &mut reader, arena),
-        other => Err(event_error(index, "event", expected("object", &other))),
+    let decoded = if let Some(len) = reader.fixmap_header() {
+        decode_map_event(index, raw, len, &mut reader, arena, stored)
+    } else {
+        match reader
+            .lax()
+            .map_err(|error| malformed_event(index, error))?
+        {
+            Lax::Item(Item::Array(len)) => {
+                decode_array_event(index, raw, len, &mut reader, arena, stored)
+            }
+            Lax::Item(Item::Map(len)) => {
+                decode_map_event(index, raw, len, &mut reader, arena, stored)
+            }
+            other => Err(event_error(index, "event", expected("object", &other))),
+        }
     }?;
+    let slot = events.last_mut().expect("just pushed");
+    match decoded.tag {
+        STORED => {}
+        REMOVED => {
+            let Event::Stored(stored) = slot else {
+                unreachable!("built as a store");
+            };
+            let removed = Removed {
+                hashes: stored.hashes.clone(),
+                medium: stored.medium,
+                group_idx: stored.group_idx,
+                locality: stored.locality,
+                ownership: stored.ownership,
+            };
+            *slot = Event::Removed(removed);
+        }
+        _ => *slot = Event::Cleared,
+    }
     Ok((decoded, reader.position()))
 }
 
@@ -481,7 +517,8 @@ fn decode_array_event<'a>(
     len: usize,
     reader: &mut Reader<'a>,
     arena: &mut Arena,
-) -> Result<Decoded<'a>, SchemaError> {
+    stored: &mut Stored<'a>,
+) -> Result<Decoded, SchemaError> {
     let malformed = |error: ReadError| malformed_event(index, error);
     if len == 0 {
         return Err(event_error(
@@ -510,7 +547,7 @@ fn decode_array_event<'a>(
             ),
         ));
     }
-    let mut builder = EventBuilder::new(tag);
+    let mut builder = EventBuilder::new(tag, stored);
     for &position in fields.positions.iter().take(given.min(known)) {
         builder.field(index, position, reader, arena)?;
     }
@@ -520,8 +557,9 @@ fn decode_array_event<'a>(
         fast &= reader.peek() == Some(0xc0);
         reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
     }
+    builder.finish(index)?;
     Ok(Decoded {
-        event: builder.finish(index)?,
+        tag,
         array: true,
         unknown: unknown as u64,
         fast,
@@ -534,11 +572,17 @@ fn decode_map_event<'a>(
     len: usize,
     reader: &mut Reader<'a>,
     arena: &mut Arena,
-) -> Result<Decoded<'a>, SchemaError> {
+    stored: &mut Stored<'a>,
+) -> Result<Decoded, SchemaError> {
     let malformed = |error: ReadError| malformed_event(index, error);
-    let key_of = |reader: &mut Reader<'a>| match reader.lax().map_err(malformed)? {
-        Lax::Str(bytes) => Ok(bytes),
-        other => Err(event_error(index, "event", expected("str", &other))),
+    let key_of = |reader: &mut Reader<'a>| {
+        if let Some(bytes) = reader.str_bytes() {
+            return Ok(bytes);
+        }
+        match reader.lax().map_err(malformed)? {
+            Lax::Str(bytes) => Ok(bytes),
+            other => Err(event_error(index, "event", expected("str", &other))),
+        }
     };
     // The tag may stand anywhere among the keys: msgspec looks for it first, then decodes
     // every key from the start (or from the second key if the tag was the first).
@@ -564,7 +608,7 @@ fn decode_map_event<'a>(
         keys = len;
     }
     let fields = fields_of(tag);
-    let mut builder = EventBuilder::new(tag);
+    let mut builder = EventBuilder::new(tag, stored);
     // Unknown keys, each counted once as decode_batch counts them (on a generic decoding).
     let mut unknown: Vec<&[u8]> = Vec::new();
     for _ in 0..keys {
@@ -611,8 +655,9 @@ fn decode_map_event<'a>(
     if !unknown.is_empty() {
         check_generic(index, raw)?;
     }
+    builder.finish(index)?;
     Ok(Decoded {
-        event: builder.finish(index)?,
+        tag,
         array: false,
         unknown: unknown.len() as u64,
         fast: unknown.is_empty(),
@@ -620,17 +665,18 @@ fn decode_map_event<'a>(
 }
 
 /// Fills an event field by field, in wire order.
-struct EventBuilder<'a> {
+struct EventBuilder<'a, 'b> {
     tag: &'static str,
-    stored: Stored<'a>,
+    stored: &'b mut Stored<'a>,
     seen: u32,
 }
 
-impl<'a> EventBuilder<'a> {
-    fn new(tag: &'static str) -> Self {
+impl<'a, 'b> EventBuilder<'a, 'b> {
+    /// `stored` is where the event is built, a default `Stored`.
+    fn new(tag: &'static str, stored: &'b mut Stored<'a>) -> Self {
         EventBuilder {
             tag,
-            stored: Stored::default(),
+            stored,
             seen: 0,
         }
     }
@@ -654,7 +700,7 @@ impl<'a> EventBuilder<'a> {
         let item = reader
             .lax()
             .map_err(|error| malformed_event(event, error))?;
-        let stored = &mut self.stored;
+        let stored = &mut *self.stored;
         match position {
             0 => stored.hashes = hash_list(&at, item, reader, arena)?,
             1 => {
@@ -681,31 +727,22 @@ impl<'a> EventBuilder<'a> {
         Ok(())
     }
 
-    fn finish(self, index: usize) -> Result<Event<'a>, SchemaError> {
-        let stored = self.stored;
-        match self.tag {
-            STORED => {
-                let tokens = stored.tokens.len();
-                let blocks = stored.hashes.len();
-                let size = stored.block_size;
-                if tokens > 0 && (size == 0 || (tokens as u128) < blocks as u128 * size as u128) {
-                    return Err(event_error(
-                        index,
-                        "token_ids",
-                        format!("{tokens} tokens cannot fill {blocks} blocks of {size}"),
-                    ));
-                }
-                Ok(Event::Stored(stored))
+    /// Checks a store's tokens against its blocks.
+    fn finish(self, index: usize) -> Result<(), SchemaError> {
+        let stored = &*self.stored;
+        if self.tag == STORED {
+            let tokens = stored.tokens.len();
+            let blocks = stored.hashes.len();
+            let size = stored.block_size;
+            if tokens > 0 && (size == 0 || (tokens as u128) < blocks as u128 * size as u128) {
+                return Err(event_error(
+                    index,
+                    "token_ids",
+                    format!("{tokens} tokens cannot fill {blocks} blocks of {size}"),
+                ));
             }
-            REMOVED => Ok(Event::Removed(Removed {
-                hashes: stored.hashes,
-                medium: stored.medium,
-                group_idx: stored.group_idx,
-                locality: stored.locality,
-                ownership: stored.ownership,
-            })),
-            _ => Ok(Event::Cleared),
         }
+        Ok(())
     }
 }
 
@@ -729,10 +766,11 @@ fn hash_list(
     };
     let start = arena.hashes.len();
     arena.hashes.reserve(len.min(reader.left()));
-    for element in 0..len {
-        if let Some(value) = reader.any_int() {
-            arena.hashes.push(value);
-            continue;
+    let mut element = 0;
+    while element < len {
+        element += reader.hashes(len - element, &mut arena.hashes);
+        if element == len {
+            break;
         }
         let item = reader
             .lax()
@@ -740,6 +778,7 @@ fn hash_list(
         arena
             .hashes
             .push(hash(&at.at(element), item, "int | bytes")?);
+        element += 1;
     }
     Ok(start..arena.hashes.len())
 }
@@ -764,15 +803,17 @@ fn token_list(
     };
     let start = arena.tokens.len();
     arena.tokens.reserve(len.min(reader.left()));
-    for element in 0..len {
-        if let Some(value) = reader.small_uint() {
-            arena.tokens.push(value);
-            continue;
+    let mut element = 0;
+    while element < len {
+        element += reader.small_uints(len - element, &mut arena.tokens);
+        if element == len {
+            break;
         }
         let item = reader
             .lax()
             .map_err(|error| malformed_event(at.event, error))?;
         arena.tokens.push(token(&at.at(element), item)?);
+        element += 1;
     }
     Ok(start..arena.tokens.len())
 }
@@ -874,6 +915,291 @@ fn lookahead<'a>(
         }
     }
     Ok(Some(reader.since(header)))
+}
+
+/// The payloads vLLM writes, decoded with nothing but fast paths: `None` for anything else
+/// (another shape, or a problem), which the general decoder then reads. What this accepts, it
+/// decodes to the batch the general decoder would: every event's tag comes first and its
+/// fields follow in layout order, no field is unknown, and every value is of the plain kind.
+mod fast {
+    use super::*;
+
+    pub(super) fn decode<'a>(payload: &'a [u8], arena: &mut Arena) -> Option<Batch<'a>> {
+        let mut reader = Reader::new(payload);
+        let fields = match reader.array_header()? {
+            fields @ (2 | 3) => fields,
+            _ => return None,
+        };
+        let ts = match reader.peek()? {
+            0xcb => match reader.lax().ok()? {
+                Lax::Item(Item::Float(value)) => value,
+                _ => return None,
+            },
+            _ => return None,
+        };
+        let count = reader.array_header()?;
+        let mut events = Vec::with_capacity(count.min(reader.left()));
+        for index in 0..count {
+            match reader.peek()? {
+                marker @ 0x80..=0x8f => {
+                    reader.fixmap_header()?;
+                    map_event(
+                        index,
+                        usize::from(marker & 0x0f),
+                        &mut reader,
+                        arena,
+                        &mut events,
+                    )?;
+                }
+                marker @ 0x90..=0x9f => {
+                    reader.array_header()?;
+                    array_event(
+                        index,
+                        usize::from(marker & 0x0f),
+                        &mut reader,
+                        arena,
+                        &mut events,
+                    )?;
+                }
+                _ => return None,
+            }
+        }
+        let dp_rank = match fields {
+            3 if reader.nil() => None,
+            3 => Some(reader.small_uint()?),
+            _ => None,
+        };
+        if !reader.is_empty() {
+            return None;
+        }
+        Some(Batch {
+            ts,
+            dp_rank,
+            events,
+            unknown_fields: 0,
+        })
+    }
+
+    /// The tag.
+    fn tag(reader: &mut Reader<'_>) -> Option<&'static str> {
+        let tag = reader.str_bytes()?;
+        [STORED, REMOVED, CLEARED]
+            .into_iter()
+            .find(|known| same(known.as_bytes(), tag))
+    }
+
+    /// Whether two short strings are equal, compared in words rather than by a call to
+    /// `memcmp` (keys and tags are 4 to 28 bytes).
+    #[inline(always)]
+    fn same(a: &[u8], b: &[u8]) -> bool {
+        fn word(bytes: Option<&[u8; 8]>) -> u64 {
+            bytes.map_or(0, |bytes| u64::from_le_bytes(*bytes))
+        }
+        if a.len() != b.len() {
+            return false;
+        }
+        match a.len() {
+            // The first and the last four (eight) bytes, overlapping, cover up to 8 (16).
+            4..=7 => {
+                let half = |bytes: &[u8], at: usize| {
+                    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+                };
+                let last = a.len() - 4;
+                half(a, 0) == half(b, 0) && half(a, last) == half(b, last)
+            }
+            8..=16 => {
+                word(a.first_chunk()) == word(b.first_chunk())
+                    && word(a.last_chunk()) == word(b.last_chunk())
+            }
+            17..=24 => {
+                word(a.first_chunk()) == word(b.first_chunk())
+                    && word(a[8..].first_chunk()) == word(b[8..].first_chunk())
+                    && word(a.last_chunk()) == word(b.last_chunk())
+            }
+            _ => a == b,
+        }
+    }
+
+    fn map_event<'a>(
+        index: usize,
+        len: usize,
+        reader: &mut Reader<'a>,
+        arena: &mut Arena,
+        events: &mut Vec<Event<'a>>,
+    ) -> Option<()> {
+        if len == 0 || !same(reader.str_bytes()?, b"type") {
+            return None;
+        }
+        let tag = tag(reader)?;
+        let fields = fields_of(tag);
+        let mut next = 0;
+        let mut seen = 0u32;
+        let mut event = Event::start(tag);
+        for _ in 1..len {
+            let key = reader.str_bytes()?;
+            // Keys come in layout order; some may be left out.
+            while !same(STORED_FIELDS[*fields.positions.get(next)?].as_bytes(), key) {
+                next += 1;
+            }
+            let position = fields.positions[next];
+            next += 1;
+            seen |= 1 << position;
+            event.field(index, position, reader, arena)?;
+        }
+        let required = fields.positions[..fields.required]
+            .iter()
+            .fold(0u32, |bits, &position| bits | 1 << position);
+        if seen & required != required {
+            return None;
+        }
+        event.check()?;
+        events.push(event);
+        Some(())
+    }
+
+    fn array_event<'a>(
+        index: usize,
+        len: usize,
+        reader: &mut Reader<'a>,
+        arena: &mut Arena,
+        events: &mut Vec<Event<'a>>,
+    ) -> Option<()> {
+        if len == 0 {
+            return None;
+        }
+        let tag = tag(reader)?;
+        let fields = fields_of(tag);
+        let given = len - 1;
+        if given < fields.required || given > fields.known {
+            return None;
+        }
+        let mut event = Event::start(tag);
+        for &position in &fields.positions[..given] {
+            event.field(index, position, reader, arena)?;
+        }
+        event.check()?;
+        events.push(event);
+        Some(())
+    }
+
+    impl<'a> Event<'a> {
+        fn start(tag: &'static str) -> Self {
+            match tag {
+                STORED => Event::Stored(Stored::default()),
+                REMOVED => Event::Removed(Removed::default()),
+                _ => Event::Cleared,
+            }
+        }
+
+        /// A store's tokens must fill its blocks.
+        fn check(&self) -> Option<()> {
+            if let Event::Stored(stored) = self {
+                let (tokens, blocks) = (stored.tokens.len(), stored.hashes.len());
+                let size = stored.block_size;
+                if tokens > 0 && (size == 0 || (tokens as u128) < blocks as u128 * size as u128) {
+                    return None;
+                }
+            }
+            Some(())
+        }
+
+        /// Reads the field at this position of [`STORED_FIELDS`] (one of the event's).
+        fn field(
+            &mut self,
+            index: usize,
+            position: usize,
+            reader: &mut Reader<'a>,
+            arena: &mut Arena,
+        ) -> Option<()> {
+            match self {
+                Event::Removed(removed) => match position {
+                    0 => removed.hashes = hashes(reader, arena)?,
+                    5 => removed.medium = opt_str(reader)?,
+                    8 => removed.group_idx = opt_u32(reader)?,
+                    11 => removed.locality = opt_str(reader)?,
+                    _ => removed.ownership = opt_str(reader)?,
+                },
+                Event::Stored(stored) => match position {
+                    0 => stored.hashes = hashes(reader, arena)?,
+                    1 => {
+                        stored.parent = if reader.nil() {
+                            None
+                        } else {
+                            Some(reader.hash()?)
+                        }
+                    }
+                    2 => {
+                        let len = reader.array_header()?;
+                        let start = arena.tokens.len();
+                        arena.tokens.reserve(len.min(reader.left()));
+                        (reader.small_uints(len, &mut arena.tokens) == len).then_some(())?;
+                        stored.tokens = start..arena.tokens.len();
+                    }
+                    3 => stored.block_size = u64::from(reader.small_uint()?),
+                    4 => stored.lora_id = opt_int(reader)?,
+                    5 => stored.medium = opt_str(reader)?,
+                    6 => stored.lora_name = opt_str(reader)?,
+                    7 => {
+                        stored.extra_keys = if reader.nil() {
+                            None
+                        } else {
+                            let at = At::new(index, STORED_FIELDS[7]);
+                            let header = reader.position();
+                            let item = reader.lax().ok()?;
+                            super::extra_keys(&at, item, header, reader).ok()?
+                        }
+                    }
+                    8 => stored.group_idx = opt_u32(reader)?,
+                    9 => stored.spec_kind = opt_str(reader)?,
+                    10 => stored.sliding_window = opt_int(reader)?,
+                    11 => stored.locality = opt_str(reader)?,
+                    12 => stored.ownership = opt_str(reader)?,
+                    13 => stored.session_id = opt_str(reader)?,
+                    _ => {
+                        stored.lookahead = if reader.nil() {
+                            None
+                        } else {
+                            let at = At::new(index, STORED_FIELDS[14]);
+                            let header = reader.position();
+                            let item = reader.lax().ok()?;
+                            super::lookahead(&at, item, header, reader).ok()?
+                        }
+                    }
+                },
+                Event::Cleared => return None,
+            }
+            Some(())
+        }
+    }
+
+    fn hashes(reader: &mut Reader<'_>, arena: &mut Arena) -> Option<Range<usize>> {
+        let len = reader.array_header()?;
+        let start = arena.hashes.len();
+        arena.hashes.reserve(len.min(reader.left()));
+        (reader.hashes(len, &mut arena.hashes) == len).then_some(start..arena.hashes.len())
+    }
+
+    /// `Some(value)`: the field's value; `None`: not of the plain kind.
+    fn opt_str<'a>(reader: &mut Reader<'a>) -> Option<Option<&'a str>> {
+        if reader.nil() {
+            return Some(None);
+        }
+        std::str::from_utf8(reader.str_bytes()?).ok().map(Some)
+    }
+
+    fn opt_u32(reader: &mut Reader<'_>) -> Option<Option<u32>> {
+        if reader.nil() {
+            return Some(None);
+        }
+        reader.small_uint().map(Some)
+    }
+
+    fn opt_int(reader: &mut Reader<'_>) -> Option<Option<i128>> {
+        if reader.nil() {
+            return Some(None);
+        }
+        reader.small_uint().map(|value| Some(i128::from(value)))
+    }
 }
 
 /// One step of the path msgspec reports below a generic value.

@@ -13,6 +13,9 @@ pub const DYNAMO_SALT_PREFIX: &str = "dynamo-cache-salt:";
 
 /// A bytes block hash as u64: its last 8 bytes, big-endian, as vLLM's int mode derives it.
 pub fn engine_hash_bytes(bytes: &[u8]) -> u64 {
+    if let Some(tail) = bytes.last_chunk::<8>() {
+        return u64::from_be_bytes(*tail);
+    }
     let tail = &bytes[bytes.len().saturating_sub(8)..];
     tail.iter()
         .fold(0u64, |value, byte| (value << 8) | u64::from(*byte))

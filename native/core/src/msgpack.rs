@@ -97,6 +97,21 @@ impl<'a> Lax<'a> {
     }
 }
 
+/// For each marker byte: (width, shift, mask) of a non-negative integer below 2**32 read from
+/// the big-endian word of the marker and the four bytes after it, or width 0 for any other item.
+const SMALL_UINT: [(u8, u8, u32); 256] = {
+    let mut table = [(0u8, 0u8, 0u32); 256];
+    let mut marker = 0;
+    while marker < 0x80 {
+        table[marker] = (1, 32, 0x7f);
+        marker += 1;
+    }
+    table[0xcc] = (2, 24, 0xff);
+    table[0xcd] = (3, 16, 0xffff);
+    table[0xce] = (5, 0, u32::MAX);
+    table
+};
+
 /// A cursor over msgpack bytes.
 #[derive(Debug, Clone)]
 pub struct Reader<'a> {
@@ -202,6 +217,126 @@ impl<'a> Reader<'a> {
         };
         self.pos += width;
         Some(value)
+    }
+
+    /// An array's length, as [`Reader::lax`] reads its header (not checked against the bytes
+    /// left), if an array comes next (else nothing is consumed).
+    #[inline(always)]
+    pub fn array_header(&mut self) -> Option<usize> {
+        match *self.data.get(self.pos..)? {
+            [marker @ 0x90..=0x9f, ..] => {
+                self.pos += 1;
+                Some(usize::from(marker & 0x0f))
+            }
+            [0xdc, high, low, ..] => {
+                self.pos += 3;
+                Some(usize::from(u16::from_be_bytes([high, low])))
+            }
+            _ => None,
+        }
+    }
+
+    /// A map's length, as [`Reader::lax`] reads a fixmap's header, if a fixmap comes next (else
+    /// nothing is consumed).
+    #[inline(always)]
+    pub fn fixmap_header(&mut self) -> Option<usize> {
+        match *self.data.get(self.pos..)? {
+            [marker @ 0x80..=0x8f, ..] => {
+                self.pos += 1;
+                Some(usize::from(marker & 0x0f))
+            }
+            _ => None,
+        }
+    }
+
+    /// A string's bytes, unchecked as [`Reader::lax`] leaves them, if a whole fixstr or str8
+    /// comes next (else nothing is consumed).
+    #[inline(always)]
+    pub fn str_bytes(&mut self) -> Option<&'a [u8]> {
+        let data = self.data;
+        let (start, len) = match *data.get(self.pos..)? {
+            [marker @ 0xa0..=0xbf, ..] => (self.pos + 1, usize::from(marker & 0x1f)),
+            [0xd9, len, ..] => (self.pos + 2, usize::from(len)),
+            _ => return None,
+        };
+        let bytes = data.get(start..start + len)?;
+        self.pos = start + len;
+        Some(bytes)
+    }
+
+    /// Consumes a nil, if one comes next.
+    #[inline(always)]
+    pub fn nil(&mut self) -> bool {
+        let nil = self.data.get(self.pos) == Some(&0xc0);
+        self.pos += usize::from(nil);
+        nil
+    }
+
+    /// Reads up to `count` non-negative integers below 2**32 into `out`, as [`Reader::small_uint`]
+    /// reads each, and stops at the first other item (left unread); returns how many it read.
+    /// The fast path of token lists: no branch on the width, which varies from token to token.
+    #[inline]
+    pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> usize {
+        let data = self.data;
+        let mut pos = self.pos;
+        let mut done = 0;
+        // A local vector keeps its length in a register.
+        let mut values = std::mem::take(out);
+        // Five bytes are read for every token whatever its width (the widest is 5): the last
+        // few tokens of a payload take the general path.
+        while done < count {
+            let Some(&[marker, b1, b2, b3, b4]) = data.get(pos..pos + 5) else {
+                break;
+            };
+            let (width, shift, mask) = SMALL_UINT[usize::from(marker)];
+            if width == 0 {
+                break;
+            }
+            let word = u64::from_be_bytes([0, 0, 0, marker, b1, b2, b3, b4]);
+            values.push((word >> shift) as u32 & mask);
+            pos += usize::from(width);
+            done += 1;
+        }
+        *out = values;
+        self.pos = pos;
+        done
+    }
+
+    /// Reads up to `count` hashes into `out` as the hash lists' fast path takes them (an
+    /// integer of any width, [`Reader::any_int`], or a bin8 of up to 255 bytes as
+    /// [`crate::hashing::engine_hash_bytes`] reads it), and stops at the first other item
+    /// (left unread); returns how many it read.
+    #[inline]
+    pub fn hashes(&mut self, count: usize, out: &mut Vec<u64>) -> usize {
+        let mut done = 0;
+        while done < count {
+            match self.hash() {
+                Some(value) => out.push(value),
+                None => break,
+            }
+            done += 1;
+        }
+        done
+    }
+
+    /// One hash as [`Reader::hashes`] reads them, if that is what comes next (else nothing is
+    /// consumed).
+    #[inline(always)]
+    pub fn hash(&mut self) -> Option<u64> {
+        match *self.data.get(self.pos..)? {
+            [0xcf, ref tail @ ..] if tail.len() >= 8 => {
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(&tail[..8]);
+                self.pos += 9;
+                Some(u64::from_be_bytes(bytes))
+            }
+            [0xc4, len, ref tail @ ..] if tail.len() >= usize::from(len) => {
+                let len = usize::from(len);
+                self.pos += 2 + len;
+                Some(crate::hashing::engine_hash_bytes(&tail[..len]))
+            }
+            _ => self.any_int(),
+        }
     }
 
     /// An integer of any width as u64 (a negative one as its two's complement), if that is
