@@ -48,6 +48,7 @@ __all__ = [
     "Prompt",
     "StreamReplay",
     "capture_streams",
+    "in_receipt_order",
     "prompts_of",
     "read_prompts",
     "replay_capture",
@@ -293,15 +294,14 @@ def replay_streams(
             result.subscribed = wait_subscribers > 0 and _wait_for_subscriber(
                 publisher, deadline, stop
             )
-        tagged = [_tagged(index, records) for index, (_, records) in enumerate(streams)]
-        ordered = heapq.merge(*tagged, key=lambda item: item[0])
+        ordered = in_receipt_order([records for _, records in streams])
         start = time.monotonic()
         first_ns = min((records[0].received_ns for _, records in streams if records), default=0)
-        for received_ns, index, record in ordered:
+        for index, record in ordered:
             if stop is not None and stop.is_set():
                 break
             if pace == "original":
-                delay = (received_ns - first_ns) / 1e9 - (time.monotonic() - start)
+                delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
                 if delay > 0 and stop is not None:
                     stop.wait(delay)
                 elif delay > 0:
@@ -327,6 +327,16 @@ def _wait_for_subscriber(
         if publisher.wait_for_subscribers(timeout=min(_STOP_CHECK_S, remaining)):
             return True
     return False
+
+
+def in_receipt_order(
+    streams: Sequence[Iterable[FrameRecord]],
+) -> Iterator[tuple[int, FrameRecord]]:
+    """``(stream index, record)`` over all streams, merged by receive time; each stream keeps
+    its own order, and a tie goes to the earlier stream."""
+    tagged = [_tagged(index, records) for index, records in enumerate(streams)]
+    for _, index, record in heapq.merge(*tagged, key=lambda item: item[0]):
+        yield index, record
 
 
 def _tagged(index: int, records: Iterable[FrameRecord]) -> Iterator[tuple[int, int, FrameRecord]]:

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvbridge.adapters.capture import CaptureReader, FrameRecord, Prompt
+from kvbridge.adapters.capture import CaptureReader, FrameRecord, Prompt, in_receipt_order
 from kvbridge.adapters.pipeline import PublisherSink, StreamPipeline, record_source
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
@@ -67,6 +67,7 @@ __all__ = [
     "TierCounts",
     "WorkerOverlap",
     "compare_captures",
+    "first_block_size",
     "render_comparison",
 ]
 
@@ -613,15 +614,7 @@ def compare_captures(
     """
     start = time.monotonic()
     names = [str(path) for path in paths]
-    streams: list[_Stream] = []
-    asked: list[tuple[str, Prompt]] = []
-    for name in names:
-        captured, header_prompts = _read(name, block_size)
-        streams += captured
-        asked += [(name, prompt) for prompt in header_prompts]
-    _check_workers(streams)
-    if prompts is not None:
-        asked = [(", ".join(names), prompt) for prompt in prompts]
+    streams, asked = _load(names, block_size, prompts)
     specs = [(stream.worker_id, stream.block_size) for stream in streams]
     sentinels = frozenset(
         tokens_hashes(_sentinel_tokens(index, size), size)[0]
@@ -638,9 +631,34 @@ def compare_captures(
         bridged.finish(specs)
         resident = _diff(alone.resident(sentinels), bridged.resident(sentinels), ledger)
         overlaps = [
-            _prompt_overlap(name, prompt, specs, alone, bridged)
-            for name, prompt in (asked if streams else [])  # no worker, nothing to ask
+            _prompt_overlap(capture, size, prompt, alone, bridged)
+            for capture, size, prompt in (asked if streams else [])  # no worker, nothing to ask
         ]
+    return _summary(names, resident, overlaps, time.monotonic() - start)
+
+
+def _load(
+    names: Sequence[str], block_size: int | None, prompts: Sequence[Prompt] | None
+) -> tuple[list[_Stream], list[tuple[str, int, Prompt]]]:
+    """Every capture's streams, and the prompts to ask with the capture and block size they
+    are counted in (given prompts: those of the first stream)."""
+    streams: list[_Stream] = []
+    asked: list[tuple[str, int, Prompt]] = []
+    for name in names:
+        captured, header_prompts = _read(name, block_size)
+        streams += captured
+        size = captured[0].block_size if captured else 0
+        asked += [(name, size, prompt) for prompt in header_prompts]
+    _check_workers(streams)
+    if prompts is not None:
+        size = streams[0].block_size if streams else 0
+        asked = [(", ".join(names), size, prompt) for prompt in prompts]
+    return streams, asked
+
+
+def _summary(
+    names: list[str], resident: list[ResidentDiff], overlaps: list[PromptOverlap], seconds: float
+) -> DynamoComparison:
     missing = sum(sum(entry.missing.values()) for entry in resident)
     stale = sum(sum(entry.stale.values()) for entry in resident)
     causes: Counter[str] = Counter()
@@ -655,29 +673,23 @@ def compare_captures(
         causes=dict(sorted(causes.items())),
         resident=resident,
         prompts=overlaps,
-        seconds=round(time.monotonic() - start, 3),
+        seconds=round(seconds, 3),
     )
 
 
 def _replay(streams: Sequence[_Stream], alone: _Side, bridged: _Side) -> _Ledger:
     """Send every record raw to one side and through the pipeline to the other, in the order
-    of receipt over all streams; the ledger follows the raw events."""
+    of receipt over all streams (each stream's own order kept); the ledger follows the raw
+    events."""
     ledger = _Ledger({stream.worker_id: stream.block_size for stream in streams})
     pipelines: dict[str, StreamPipeline] = {}
-    ordered = sorted(
-        (
-            (record.received_ns, index, record)
-            for index, s in enumerate(streams)
-            for record in s.records
-        ),
-        key=lambda item: (item[0], item[1]),
-    )
     for index, stream in enumerate(streams):
         pipeline = pipelines.setdefault(stream.capture, StreamPipeline(stream.block_size))
-        pipeline.add_source(
-            record_source(stream.records[0]), PublisherSink(bridged.publishers[index])
-        )
-    for _, index, record in ordered:
+        sink = PublisherSink(bridged.publishers[index])
+        pipeline.add_source(record_source(stream.records[0]), sink)
+    for index, record in in_receipt_order([stream.records for stream in streams]):
+        if not record.frames:
+            continue
         stream = streams[index]
         alone.publishers[index].send_frames(record.frames)
         if record.seq is not None:
@@ -685,10 +697,8 @@ def _replay(streams: Sequence[_Stream], alone: _Side, bridged: _Side) -> _Ledger
         batch = _decoded(record)
         if batch is not None:
             ledger.observe(stream.worker_id, batch)
-            rank = batch.data_parallel_rank or 0
-            alone.last_rank[index] = bridged.last_rank[index] = rank
-        if record.frames:
-            pipelines[stream.capture].feed_record(record, decoded=batch)
+            alone.last_rank[index] = bridged.last_rank[index] = batch.data_parallel_rank or 0
+        pipelines[stream.capture].feed_record(record, decoded=batch)
     return ledger
 
 
@@ -768,11 +778,7 @@ def _differing_parent(
 
 
 def _prompt_overlap(
-    capture: str,
-    prompt: Prompt,
-    specs: Sequence[tuple[int, int]],
-    alone: _Side,
-    bridged: _Side,
+    capture: str, block_size: int, prompt: Prompt, alone: _Side, bridged: _Side
 ) -> PromptOverlap:
     """One prompt's ``overlap_scores`` on each side, workers with no overlap on either left out."""
     a, b = alone.overlap(prompt), bridged.overlap(prompt)
@@ -783,7 +789,6 @@ def _prompt_overlap(
         for worker_id, dp_rank in [place]
         if a.get(place, none) != none or b.get(place, none) != none
     ]
-    block_size = specs[0][1] if specs else 1
     return PromptOverlap(
         capture,
         prompt.name,
