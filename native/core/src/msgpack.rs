@@ -585,6 +585,43 @@ pub mod write {
         }
     }
 
+    /// Integers below 2**32 in their smallest forms, as [`uint`] writes each, with no branch on
+    /// the width (which varies from token to token).
+    pub fn small_uints(out: &mut Vec<u8>, values: &[u32]) {
+        // Each value is stored as 8 bytes, of which its form's width are kept: room for the
+        // widest form of every value, and 3 more for the last store.
+        let start = out.len();
+        out.resize(start + values.len() * 5 + 3, 0);
+        let buffer = &mut out[start..];
+        let mut at = 0;
+        for &value in values {
+            let class =
+                usize::from(value > 0x7f) + usize::from(value > 0xff) + usize::from(value > 0xffff);
+            let (marker, width) = SMALL_FORMS[class];
+            let word =
+                (u64::from(marker) << (8 * (width - 1)) | u64::from(value)) << (64 - 8 * width);
+            buffer[at..at + 8].copy_from_slice(&word.to_be_bytes());
+            at += width as usize;
+        }
+        out.truncate(start + at);
+    }
+
+    /// The marker and width of each smallest form of an integer below 2**32: fixint, uint8,
+    /// uint16, uint32.
+    const SMALL_FORMS: [(u8, u32); 4] = [(0, 1), (0xcc, 2), (0xcd, 3), (0xce, 5)];
+
+    /// A 64-bit integer in its smallest form, as [`uint`], with the wide form (hashes) first.
+    #[inline(always)]
+    pub fn hash(out: &mut Vec<u8>, value: u64) {
+        if value > u64::from(u32::MAX) {
+            let mut bytes = [0xcf; 9];
+            bytes[1..].copy_from_slice(&value.to_be_bytes());
+            out.extend_from_slice(&bytes);
+        } else {
+            uint(out, value);
+        }
+    }
+
     pub fn float(out: &mut Vec<u8>, value: f64) {
         out.push(0xcb);
         out.extend_from_slice(&value.to_be_bytes());
@@ -714,6 +751,20 @@ mod tests {
 
     #[test]
     fn writers_pick_the_smallest_form() {
+        let values = [0, 127, 128, 255, 256, 65_535, 65_536, u32::MAX];
+        let mut each = Vec::new();
+        for value in values {
+            write::uint(&mut each, u64::from(value));
+        }
+        let mut all = vec![0xc0];
+        write::small_uints(&mut all, &values);
+        assert_eq!(all[1..], each[..]);
+        for value in [0, 1 << 32, u64::MAX] {
+            let (mut one, mut other) = (Vec::new(), Vec::new());
+            write::uint(&mut one, value);
+            write::hash(&mut other, value);
+            assert_eq!(one, other);
+        }
         let mut out = Vec::new();
         write::uint(&mut out, 127);
         write::uint(&mut out, 128);

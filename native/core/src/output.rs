@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::hashing::DYNAMO_SALT_PREFIX;
+#[cfg(test)]
 use crate::layout::{CLEARED, REMOVED, REMOVED_FIELDS, STORED, STORED_FIELDS};
 use crate::media::Tier;
 use crate::msgpack::write;
@@ -48,7 +49,9 @@ pub struct Output {
 }
 
 /// The number of entries msgspec sizes a map header by: the struct's fields plus its tag.
+#[cfg(test)]
 const STORED_MAP_FIELDS: usize = STORED_FIELDS.len() - 1 + 1; // the 0.30-0.32 layout: 14 fields
+#[cfg(test)]
 const REMOVED_MAP_FIELDS: usize = REMOVED_FIELDS.len() + 1;
 
 impl Output {
@@ -82,7 +85,11 @@ impl Output {
                 kept.push(event);
             }
         }
-        let mut out = Vec::with_capacity(64 + self.tokens.len() * 3 + self.blocks.len() * 9);
+        let mut out = Vec::with_capacity(
+            64 + kept.len() * 160
+                + self.tokens.len() * 5
+                + (self.blocks.len() + self.hashes.len()) * 9,
+        );
         write::array(&mut out, 3);
         write::float(&mut out, ts);
         write::array(&mut out, kept.len());
@@ -103,31 +110,26 @@ impl Output {
                 cache_salt,
             } => {
                 let salt = cache_salt.as_deref().filter(|salt| !salt.is_empty());
-                write::map(out, if salt.is_some() { 11 } else { 10 }, STORED_MAP_FIELDS);
-                write::str(out, "type");
-                write::str(out, STORED);
-                write::str(out, "block_hashes");
+                out.extend_from_slice(if salt.is_some() {
+                    canonical::STORED_HEAD_SALTED
+                } else {
+                    canonical::STORED_HEAD
+                });
                 write::array(out, blocks.len());
                 for (hash, _) in &self.blocks[blocks.clone()] {
-                    write::uint(out, *hash);
+                    write::hash(out, *hash);
                 }
-                write::str(out, "parent_block_hash");
+                out.extend_from_slice(canonical::PARENT);
                 match parent {
-                    Some(parent) => write::uint(out, *parent),
+                    Some(parent) => write::hash(out, *parent),
                     None => write::nil(out),
                 }
-                write::str(out, "token_ids");
+                out.extend_from_slice(canonical::TOKEN_IDS);
                 write::array(out, tokens.len());
-                for token in &self.tokens[tokens.clone()] {
-                    write::uint(out, u64::from(*token));
-                }
-                write::str(out, "block_size");
+                write::small_uints(out, &self.tokens[tokens.clone()]);
+                out.extend_from_slice(canonical::BLOCK_SIZE);
                 write::uint(out, block_size);
-                write::str(out, "lora_id");
-                write::nil(out);
-                write::str(out, "medium");
-                write::str(out, event.tier.medium());
-                write::str(out, "lora_name");
+                out.extend_from_slice(canonical::MEDIUM[event.tier as usize]);
                 match lora_name {
                     Some(name) => write::str(out, name),
                     None => write::nil(out),
@@ -142,30 +144,17 @@ impl Output {
                         write::nil(out);
                     }
                 }
-                write::str(out, "group_idx");
-                write::uint(out, 0);
-                write::str(out, "kv_cache_spec_kind");
-                write::str(out, "full_attention");
+                out.extend_from_slice(canonical::STORED_TAIL);
             }
             Body::Removed { hashes } => {
-                write::map(out, 4, REMOVED_MAP_FIELDS);
-                write::str(out, "type");
-                write::str(out, REMOVED);
-                write::str(out, "block_hashes");
+                out.extend_from_slice(canonical::REMOVED_HEAD);
                 write::array(out, hashes.len());
                 for hash in &self.hashes[hashes.clone()] {
-                    write::uint(out, *hash);
+                    write::hash(out, *hash);
                 }
-                write::str(out, "medium");
-                write::str(out, event.tier.medium());
-                write::str(out, "group_idx");
-                write::uint(out, 0);
+                out.extend_from_slice(canonical::REMOVED_TAIL[event.tier as usize]);
             }
-            Body::Cleared => {
-                write::map(out, 1, 1);
-                write::str(out, "type");
-                write::str(out, CLEARED);
-            }
+            Body::Cleared => out.extend_from_slice(canonical::CLEARED),
         }
     }
 
@@ -244,6 +233,36 @@ impl Output {
     }
 }
 
+/// The constant stretches of the canonical payloads' events, as msgpack (the tests check them
+/// against the writers): map headers sized as msgspec sizes them, keys and constant values.
+mod canonical {
+    /// A store's map header (10 entries), tag and `block_hashes` key.
+    pub const STORED_HEAD: &[u8] = b"\x8a\xa4type\xabBlockStored\xacblock_hashes";
+    /// The same with 11 entries: `extra_keys` carries a cache salt.
+    pub const STORED_HEAD_SALTED: &[u8] = b"\x8b\xa4type\xabBlockStored\xacblock_hashes";
+    pub const PARENT: &[u8] = b"\xb1parent_block_hash";
+    pub const TOKEN_IDS: &[u8] = b"\xa9token_ids";
+    pub const BLOCK_SIZE: &[u8] = b"\xaablock_size";
+    /// Per tier: a nil `lora_id`, the `medium` and the `lora_name` key.
+    pub const MEDIUM: [&[u8]; 4] = [
+        b"\xa7lora_id\xc0\xa6medium\xa3GPU\xa9lora_name",
+        b"\xa7lora_id\xc0\xa6medium\xa3CPU\xa9lora_name",
+        b"\xa7lora_id\xc0\xa6medium\xa4DISK\xa9lora_name",
+        b"\xa7lora_id\xc0\xa6medium\xa8EXTERNAL\xa9lora_name",
+    ];
+    pub const STORED_TAIL: &[u8] = b"\xa9group_idx\x00\xb2kv_cache_spec_kind\xaefull_attention";
+    /// A removal's map header, tag and `block_hashes` key.
+    pub const REMOVED_HEAD: &[u8] = b"\x84\xa4type\xacBlockRemoved\xacblock_hashes";
+    /// Per tier: the `medium` and `group_idx`.
+    pub const REMOVED_TAIL: [&[u8]; 4] = [
+        b"\xa6medium\xa3GPU\xa9group_idx\x00",
+        b"\xa6medium\xa3CPU\xa9group_idx\x00",
+        b"\xa6medium\xa4DISK\xa9group_idx\x00",
+        b"\xa6medium\xa8EXTERNAL\xa9group_idx\x00",
+    ];
+    pub const CLEARED: &[u8] = b"\x81\xa4type\xb0AllBlocksCleared";
+}
+
 fn write_event_tail(out: &mut Vec<u8>, dp_rank: u32) {
     write::str(out, "dp_rank");
     write::uint(out, u64::from(dp_rank));
@@ -253,5 +272,54 @@ fn write_opt_str(out: &mut Vec<u8>, value: Option<&str>) {
     match value {
         Some(value) => write::str(out, value),
         None => write::nil(out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strs(parts: &[&str]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for part in parts {
+            write::str(&mut out, part);
+        }
+        out
+    }
+
+    #[test]
+    fn constant_stretches_are_what_the_writers_write() {
+        let tag = |entries, fields, tag: &str| {
+            let mut out = Vec::new();
+            write::map(&mut out, entries, fields);
+            out.extend(strs(&["type", tag]));
+            out
+        };
+        let mut head = tag(10, STORED_MAP_FIELDS, STORED);
+        head.extend(strs(&["block_hashes"]));
+        assert_eq!(canonical::STORED_HEAD, head);
+        let mut head = tag(11, STORED_MAP_FIELDS, STORED);
+        head.extend(strs(&["block_hashes"]));
+        assert_eq!(canonical::STORED_HEAD_SALTED, head);
+        assert_eq!(canonical::PARENT, strs(&["parent_block_hash"]));
+        assert_eq!(canonical::TOKEN_IDS, strs(&["token_ids"]));
+        assert_eq!(canonical::BLOCK_SIZE, strs(&["block_size"]));
+        let mut tail = strs(&["group_idx"]);
+        write::uint(&mut tail, 0);
+        tail.extend(strs(&["kv_cache_spec_kind", "full_attention"]));
+        assert_eq!(canonical::STORED_TAIL, tail);
+        let mut head = tag(4, REMOVED_MAP_FIELDS, REMOVED);
+        head.extend(strs(&["block_hashes"]));
+        assert_eq!(canonical::REMOVED_HEAD, head);
+        for tier in Tier::ALL {
+            let mut medium = strs(&["lora_id"]);
+            write::nil(&mut medium);
+            medium.extend(strs(&["medium", tier.medium(), "lora_name"]));
+            assert_eq!(canonical::MEDIUM[tier as usize], medium);
+            let mut tail = strs(&["medium", tier.medium(), "group_idx"]);
+            write::uint(&mut tail, 0);
+            assert_eq!(canonical::REMOVED_TAIL[tier as usize], tail);
+        }
+        assert_eq!(canonical::CLEARED, tag(1, 1, CLEARED));
     }
 }
