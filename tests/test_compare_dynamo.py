@@ -266,6 +266,23 @@ def test_a_second_engines_removals_leave_stale_blocks(tmp_path: Path) -> None:
     assert differing(comparison) == [("p", [(0, (2, 2, 2), (2, 2, 2)), (2, (2, 2, 2), (1, 1, 1))])]
 
 
+def test_batches_recovered_by_replay_go_back_in_sequence(tmp_path: Path) -> None:
+    """The recorder received seq 5 live, then 2-4 through the replay socket: sent in that order,
+    Dynamo would drop 2-4 (it ignores a seq it has passed); a listener with a replay endpoint
+    would have fetched them, so they go back among the live batches."""
+    capture = tmp_path / "replayed.kvcap"
+    with CaptureWriter(capture, meta={"block_size": 4}) as writer:
+        for received, seq in enumerate([0, 1, 5, 2, 3, 4, 6]):
+            store = BlockStored([100 + seq], None, [seq] * 4, 4, None, "GPU", None)
+            payload = encode_batch(VllmBatch(1.0, [store], 0), LAYOUT)
+            stream = ("replay:" if 2 <= seq <= 4 else "") + "tcp://w0"
+            writer.write(
+                [b"", seq.to_bytes(8, "big"), payload], stream=stream, received_ns=received
+            )
+    comparison = compare_captures([capture])
+    assert blocks(comparison) == [(0, 0, "device", 7, 7, {}, {})]
+
+
 def test_a_worker_in_two_captures_is_refused() -> None:
     with pytest.raises(ValueError, match="worker 0 is in both"):
         compare_captures([GOLDEN / "prefix.kvcap", GOLDEN / "evict.kvcap"])

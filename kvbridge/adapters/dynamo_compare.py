@@ -580,7 +580,32 @@ def _read(path: str, block_size: int | None) -> tuple[list[_Stream], list[Prompt
         if stream is None:
             stream = streams[source.endpoint] = _Stream(path, record.worker_id, size, [])
         stream.records.append(record)
+    for stream in streams.values():
+        stream.records = _engine_order(stream.records)
     return list(streams.values()), reader.prompts
+
+
+def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
+    """A stream's records in the order its engine published them.
+
+    A batch the recorder recovered through the replay socket (stream ``replay:...``) was
+    received after the live batch that showed the gap; sent in that order, Dynamo would drop
+    it (a listener ignores a seq it has passed) where a listener with a replay endpoint would
+    have fetched it. So each goes back among the live ones by its seq, within the run since the
+    engine last restarted (a live seq going back). A record without a seq stays after the one
+    before it.
+    """
+    run, last = 0, -1
+    keyed = []
+    for position, record in enumerate(records):
+        seq, live = record.seq, not record.stream.startswith("replay:")
+        if live and seq is not None:
+            if seq < last:
+                run += 1
+            last = seq
+        keyed.append(((run, last if seq is None else seq, position), record))
+    keyed.sort(key=lambda item: item[0])
+    return [record for _, record in keyed]
 
 
 def _check_workers(streams: Sequence[_Stream]) -> None:
