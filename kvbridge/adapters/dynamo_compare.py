@@ -78,7 +78,8 @@ SYNC_TIMEOUT_S: Final = 30.0
 """How long Dynamo may take to apply a stream once it has been sent."""
 
 _SENTINEL_TOKEN: Final = 0xFFFF_FFFF
-"""The sentinel block's tokens: the largest u32, which no vocabulary reaches."""
+"""The sentinel blocks' token, one less for each stream: the largest u32 values, which no
+vocabulary reaches."""
 _SENTINEL_HASH: Final = 0x6B76_6272_6964_6765  # "kvbridge"
 _SENTINEL_LAYOUT: Final = layout_for("0.32.0")
 
@@ -212,8 +213,10 @@ class _Ledger:
         self.block_sizes = block_sizes
         """Each worker's block size."""
         self.identities: dict[tuple[int, int], _Identity] = {}
-        self.counts: Counter[tuple[int, int, str, int]] = Counter()
+        self.counts: Counter[_Key] = Counter()
+        """Stores minus removals per block and tier, as kvbridge counts them."""
         self.owners: dict[tuple[str, int], tuple[int, int]] = {}
+        """(tier, content) -> (worker, engine hash) of its first writer."""
         self.foreign: set[tuple[int, int]] = set()
         """(worker, engine hash) of blocks Dynamo credits under another worker's hash."""
         self.missing: dict[_Key, str] = {}
@@ -362,7 +365,13 @@ def _is_digest(text: str) -> bool:
 
 
 class _Side:
-    """A ``SelectionService`` with a PUB socket per stream it is registered on."""
+    """A ``SelectionService`` with a PUB socket per stream it is registered on.
+
+    The sockets are bound on 127.0.0.1 at consecutive ports from ``base_port`` and Dynamo's
+    listeners connect to them, as they connect to an engine that binds. It runs one indexer
+    thread: the comparison needs the state at the end, not throughput, and the machine's
+    cores are better left to the replay.
+    """
 
     def __init__(self, streams: Sequence[tuple[int, int]], base_port: int) -> None:
         self.client = SelectionClient(indexer_threads=1)
@@ -397,7 +406,10 @@ class _Side:
                     rank: self.publishers[index].endpoint for rank, index in enumerate(indexes)
                 },
             }
-            self.client.call_sync("upsert_worker", worker)
+            record = self.client.call_sync("upsert_worker", worker)
+            if record["lifecycle"] != "schedulable":
+                reasons = "; ".join(record.get("not_schedulable_reasons") or ["none given"])
+                raise RuntimeError(f"Dynamo refused worker {worker_id}: {reasons}")
         for publisher in self.publishers:
             if not publisher.wait_for_subscribers(timeout=SYNC_TIMEOUT_S):
                 raise RuntimeError(f"Dynamo never subscribed to {publisher.endpoint}")
