@@ -152,6 +152,39 @@ def test_a_frame_past_maxmsgsize_is_refused_and_the_subscriber_reconnects(
     }
 
 
+def test_a_drop_in_the_same_poll_as_its_sockets_messages(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A batch queued on the SUB when ZMQ refuses the next frame: one poll finds the SUB and
+    its monitor ready, and the SUB is replaced before its messages are read. The subscriber
+    reads only sockets it still holds (the old one's queue is a gap of the new one)."""
+    publisher, source = engine(ctx)
+    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(b"ok")  # 0
+        drain(subscriber, 1)
+        for _ in range(50):
+            publisher.publish(b"ok")  # 1-50: queued on the SUB
+        publisher.publish(b"z" * (1024 + MAXMSGSIZE_MARGIN + 1))  # 51: refused by ZMQ
+        time.sleep(0.5)
+        assert subscriber.poll(0) == []
+        assert dict(subscriber.stats) == {"messages": 1, "disconnects": 1}
+        deadline = time.monotonic() + TIMEOUT
+        while subscriber.stats["messages"] < 2:  # until the reconnected SUB gets one
+            assert time.monotonic() < deadline, dict(subscriber.stats)
+            publisher.publish(b"ok")
+            items = subscriber.poll(50)
+        stats = dict(subscriber.stats)
+    assert isinstance(items[0], StreamReset) and isinstance(items[1], Message)
+    assert stats == {
+        "messages": 2,
+        "disconnects": 1,
+        "reconnect_checks": 1,
+        "gaps": 1,
+        "lost": items[1].seq - 1,
+    }
+
+
 # --------------------------------------------------------------------------- 3. sequences
 
 

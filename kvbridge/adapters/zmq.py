@@ -345,13 +345,14 @@ class Subscriber:
             stream = self._starting.pop(0)
             if stream.last is None:
                 out.extend(self._recover(stream, 0, None))
-        ready: list[zmq.Socket[bytes]] = []
-        for socket, _ in self._poller.poll(timeout_ms):
+        events = self._poller.poll(timeout_ms)
+        for socket, _ in events:
             monitored = self._monitors.get(socket)
             if monitored is not None:
                 self._disconnected(monitored)
-            else:
-                ready.append(socket)
+        # A SUB that dropped was replaced (closed) above, though it may be in this poll's
+        # events: what it still held is a gap of the new socket's stream.
+        ready = [socket for socket, _ in events if socket in self._streams]
         if not ready:
             return out
         order, count = self._order, len(self._order)
