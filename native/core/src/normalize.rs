@@ -7,11 +7,11 @@
 use std::sync::Arc;
 
 use crate::decode::{decode, Arena, Batch, Event, Removed, SchemaError, Stored};
-use crate::hashing::{block_seed, identifier_hash, tokens_hash, DYNAMO_SALT_PREFIX};
+use crate::hashing::{block_seed, identifier_hash, sequence_hash, tokens_hash, DYNAMO_SALT_PREFIX};
 use crate::media::{tier_for_medium, Tier};
 use crate::msgpack::{Item, Reader};
 use crate::output::{Body, OutEvent, Output};
-use crate::state::{map, Map, Rank};
+use crate::state::{map, Map, Rank, Slot};
 
 /// Why a block (or a clear) was not forwarded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,6 +158,8 @@ pub struct Normalizer {
     context_ids: Map<Context, u32>,
     next_event_id: u64,
     arena: Arena,
+    /// The slots a removal evicts, reused from event to event.
+    evicted: Vec<Slot>,
     pub counters: Counters,
     logged: u16,
     pub first_drops: Vec<FirstDrop>,
@@ -189,6 +191,7 @@ impl Normalizer {
             context_ids: map(),
             next_event_id: 0,
             arena: Arena::default(),
+            evicted: Vec::new(),
             counters: Counters::default(),
             logged: 0,
             first_drops: Vec::new(),
@@ -388,7 +391,8 @@ impl Normalizer {
         };
         for tier in Tier::ALL {
             for slot in rank.resident_on(tier) {
-                self.push_store(&rank, dp_rank, event_id, tier, &[slot], None, 0, &mut out);
+                let block = [(slot, rank.canonical(slot))];
+                self.push_store(&rank, dp_rank, event_id, tier, &block, None, 0, &mut out);
             }
         }
         self.ranks.insert(dp_rank, rank);
@@ -476,6 +480,10 @@ impl Normalizer {
         self.uses += 1;
         self.rank_use.insert(dp_rank, self.uses);
         self.counters.unknown_fields += batch.unknown_fields;
+        out.events.reserve(batch.events.len());
+        out.blocks.reserve(arena.hashes.len());
+        out.hashes.reserve(arena.hashes.len());
+        out.tokens.reserve(arena.tokens.len());
         let mut gone: Vec<u64> = Vec::new();
         let mut gone_tier: Option<Tier> = None;
         for event in &batch.events {
@@ -644,7 +652,7 @@ impl Normalizer {
             let mut slots = Vec::with_capacity(hashes.len());
             for &key in hashes {
                 match rank.revive(key) {
-                    Some(slot) => slots.push(slot),
+                    Some(slot) => slots.push((slot, rank.canonical(slot))),
                     None => self.drop_blocks(
                         Action::Stored,
                         Some(tier),
@@ -692,7 +700,7 @@ impl Normalizer {
         stored: &Stored<'_>,
         hashes: &[u64],
         tokens: &[u32],
-    ) -> Result<(Vec<u32>, bool), DropReason> {
+    ) -> Result<(Vec<(Slot, u64)>, bool), DropReason> {
         let mut lora: Option<Arc<str>> = stored
             .lora_name
             .filter(|name| !name.is_empty())
@@ -729,13 +737,13 @@ impl Normalizer {
             anchored = !slots.is_empty();
         }
         for (index, &key) in hashes.iter().enumerate() {
-            let slot = match rank.revive(key) {
+            let (slot, canonical) = match rank.revive(key) {
                 Some(slot) => {
                     if rank.context(slot) != context {
                         context = rank.context(slot);
                         seed = self.contexts[context as usize].1;
                     }
-                    slot
+                    (slot, rank.canonical(slot))
                 }
                 None => {
                     let block_tokens = &tokens[index * size..(index + 1) * size];
@@ -744,11 +752,12 @@ impl Normalizer {
                         mm_hashes(keys, &mut mm);
                     }
                     let content = tokens_hash(block_tokens, seed, &mut mm, &mut scratch);
-                    rank.insert(key, content, parent, context, block_tokens)
+                    let slot = rank.insert(key, content, parent, context, block_tokens);
+                    (slot, sequence_hash(parent, content))
                 }
             };
-            parent = Some(rank.canonical(slot));
-            slots.push(slot);
+            parent = Some(canonical);
+            slots.push((slot, canonical));
         }
         Ok((slots, anchored))
     }
@@ -756,7 +765,12 @@ impl Normalizer {
     /// The chain of anchors that ends at `parent`, root first, up to the first block already
     /// resident on `tier` or a root; empty if the chain reaches a block nobody knows (then the
     /// store goes out as before, and Dynamo's index decides).
-    fn ancestors_to_anchor(&mut self, rank: &mut Rank, tier: Tier, parent: u64) -> Vec<u32> {
+    fn ancestors_to_anchor(
+        &mut self,
+        rank: &mut Rank,
+        tier: Tier,
+        parent: u64,
+    ) -> Vec<(Slot, u64)> {
         let mut chain = Vec::new();
         let mut next = Some(parent);
         while let Some(canonical) = next {
@@ -769,11 +783,11 @@ impl Normalizer {
                 }
                 break; // the rest of the chain is not ours to announce
             };
-            chain.push(slot);
+            chain.push((slot, canonical));
             next = rank.parent(slot);
         }
         chain.reverse();
-        for &slot in &chain {
+        for &(slot, _) in &chain {
             rank.revive_slot(slot);
         }
         self.counters.reanchored_blocks += chain.len() as u64;
@@ -790,16 +804,16 @@ impl Normalizer {
         dp_rank: u32,
         event_id: u64,
         tier: Tier,
-        slots: &[u32],
+        slots: &[(Slot, u64)],
         mut tokens: Option<&[u32]>,
         out: &mut Output,
     ) {
         let mut start = 0;
-        let mut run: Vec<u32> = Vec::new();
+        let mut run: Vec<(Slot, u64)> = Vec::with_capacity(slots.len());
         let mut last: Option<u64> = None;
         let mut duplicates = 0;
-        for (index, &slot) in slots.iter().enumerate() {
-            let (canonical, parent) = (rank.canonical(slot), rank.parent(slot));
+        for (index, &(slot, canonical)) in slots.iter().enumerate() {
+            let parent = rank.parent(slot);
             if rank.add_ref(slot, canonical, tier) > 0 {
                 duplicates += 1;
                 continue;
@@ -813,7 +827,7 @@ impl Normalizer {
             } else if index != start + run.len() {
                 tokens = None; // a duplicate skipped inside the chain: not one token slice
             }
-            run.push(slot);
+            run.push((slot, canonical));
             last = Some(canonical);
         }
         if !run.is_empty() {
@@ -831,7 +845,7 @@ impl Normalizer {
         dp_rank: u32,
         event_id: u64,
         tier: Tier,
-        run: &[u32],
+        run: &[(Slot, u64)],
         tokens: Option<&[u32]>,
         start: usize,
         out: &mut Output,
@@ -849,16 +863,16 @@ impl Normalizer {
         dp_rank: u32,
         event_id: u64,
         tier: Tier,
-        run: &[u32],
+        run: &[(Slot, u64)],
         tokens: Option<&[u32]>,
         start: usize,
         out: &mut Output,
     ) {
-        let first = run[0];
+        let first = run[0].0;
         let blocks_start = out.blocks.len();
         out.blocks.extend(
             run.iter()
-                .map(|&slot| (rank.canonical(slot), rank.tokens_hash(slot))),
+                .map(|&(slot, canonical)| (canonical, rank.tokens_hash(slot))),
         );
         let tokens_start = out.tokens.len();
         match tokens {
@@ -868,7 +882,7 @@ impl Normalizer {
                     .extend_from_slice(&tokens[start * size..(start + run.len()) * size]);
             }
             None => {
-                for &slot in run {
+                for &(slot, _) in run {
                     rank.read_tokens(slot, &mut out.tokens);
                 }
             }
@@ -900,11 +914,8 @@ impl Normalizer {
         hashes: &[u64],
         gone: &mut Vec<u64>,
     ) {
-        let elsewhere: Vec<Tier> = Tier::ALL
-            .into_iter()
-            .filter(|&other| other != tier && rank.holds_any(other))
-            .collect();
-        let mut evicted = Vec::new();
+        let mut evicted = std::mem::take(&mut self.evicted);
+        evicted.clear();
         for &key in hashes {
             let live = rank.live(key).map(|slot| (slot, rank.canonical(slot)));
             let owner = live.and_then(|(slot, canonical)| rank.owner_of(slot, canonical));
@@ -913,11 +924,9 @@ impl Normalizer {
                 rank.release_ref(owner, canonical, tier);
                 if count == 1 {
                     gone.push(canonical);
-                    // The owner leaves the index with its last reference: then no tier holds it.
-                    let elsewhere = rank.owner_of(slot, canonical).is_some_and(|owner| {
-                        elsewhere.iter().any(|&other| rank.count(owner, other) > 0)
-                    });
-                    if !elsewhere {
+                    // The owner leaves the index with its last reference: then no tier holds
+                    // the block (the count on this tier is now 0, so any left is elsewhere).
+                    if !rank.holds_refs(owner) {
                         evicted.push(slot);
                     }
                 } else {
@@ -936,6 +945,7 @@ impl Normalizer {
             }
         }
         rank.retire(&evicted, self.retain_evicted);
+        self.evicted = evicted;
     }
 
     fn flush_removal(

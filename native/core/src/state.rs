@@ -91,21 +91,34 @@ impl Tokens {
         if start == self.bytes.len() {
             self.bytes.resize(start + stride, 0);
         }
-        let width = self.width;
-        for (place, token) in self.bytes[start..start + stride]
-            .chunks_exact_mut(width)
-            .zip(tokens)
-        {
-            place.copy_from_slice(&token.to_le_bytes()[..width]);
+        let place = &mut self.bytes[start..start + stride];
+        // One loop per width, so that each copies a constant number of bytes.
+        if self.width == 3 {
+            for (place, token) in place.chunks_exact_mut(3).zip(tokens) {
+                place.copy_from_slice(&token.to_le_bytes()[..3]);
+            }
+        } else {
+            for (place, token) in place.chunks_exact_mut(4).zip(tokens) {
+                place.copy_from_slice(&token.to_le_bytes());
+            }
         }
     }
 
     fn read(&self, slot: Slot, out: &mut Vec<u32>) {
         let start = slot as usize * self.stride();
-        for chunk in self.bytes[start..start + self.stride()].chunks_exact(self.width) {
-            let mut word = [0u8; 4];
-            word[..self.width].copy_from_slice(chunk);
-            out.push(u32::from_le_bytes(word));
+        let stored = &self.bytes[start..start + self.stride()];
+        if self.width == 3 {
+            out.extend(
+                stored
+                    .chunks_exact(3)
+                    .map(|chunk| u32::from_le_bytes([chunk[0], chunk[1], chunk[2], 0])),
+            );
+        } else {
+            out.extend(
+                stored
+                    .chunks_exact(4)
+                    .map(|chunk| u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])),
+            );
         }
     }
 }
@@ -372,6 +385,11 @@ impl Rank {
                 }
             }
         }
+    }
+
+    /// Whether `owner` (from [`Rank::owner_of`]) holds references on any tier.
+    pub fn holds_refs(&self, owner: Slot) -> bool {
+        self.refs[owner as usize] != [0; 4]
     }
 
     /// Whether a tier holds any block of the rank.
