@@ -184,14 +184,18 @@ def _write(
     batches: list[list[BlockStored | BlockRemoved]],
     *,
     worker_id: int = 0,
+    ranks: tuple[int, ...] = (0,),
     **meta: object,
 ) -> None:
-    """A capture of one stream of ``worker_id``, one batch per list of events."""
+    """A capture of ``worker_id``, one stream per dp rank, each with every batch (one per list
+    of events)."""
     with CaptureWriter(path, meta=dict(meta)) as writer:
-        for seq, events in enumerate(batches):
-            payload = encode_batch(VllmBatch(1.0 + seq, list(events), 0), LAYOUT)
-            frames = [b"", seq.to_bytes(8, "big"), payload]
-            writer.write(frames, stream=f"tcp://w{worker_id}", worker_id=worker_id, received_ns=seq)
+        for rank in ranks:
+            for seq, events in enumerate(batches):
+                payload = encode_batch(VllmBatch(1.0 + seq, list(events), rank), LAYOUT)
+                frames = [b"", seq.to_bytes(8, "big"), payload]
+                stream = f"tcp://w{worker_id}-{rank}"
+                writer.write(frames, stream=stream, worker_id=worker_id, received_ns=seq)
 
 
 def _bytes(value: int) -> bytes:
@@ -264,6 +268,30 @@ def test_a_second_engines_removals_leave_stale_blocks(tmp_path: Path) -> None:
         (2, 0, "device", 2, 1, {}, {Cause.SECOND_ENGINE: 1}),
     ]
     assert differing(comparison) == [("p", [(0, (2, 2, 2), (2, 2, 2)), (2, (2, 2, 2), (1, 1, 1))])]
+
+
+def test_each_dp_rank_of_a_worker_is_its_own_stream(tmp_path: Path) -> None:
+    """A worker with two dp ranks, each rank's engine publishing a CPU placeholder: one worker
+    registered with both endpoints, the blocks compared per rank."""
+    capture = tmp_path / "dp.kvcap"
+    _write(
+        capture,
+        [
+            [BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None)],
+            [BlockStored([2], None, [], 0, None, "CPU", None, group_idx=0)],
+        ],
+        worker_id=5,
+        ranks=(0, 1),
+        block_size=4,
+    )
+    comparison = compare_captures([capture], prompts=[Prompt("p", list(range(8)))])
+    assert blocks(comparison) == [
+        (5, 0, "device", 2, 2, {}, {}),
+        (5, 0, "host_pinned", 0, 1, {"placeholder_cpu_event": 1}, {}),
+        (5, 1, "device", 2, 2, {}, {}),
+        (5, 1, "host_pinned", 0, 1, {"placeholder_cpu_event": 1}, {}),
+    ]
+    assert differing(comparison) == []  # the GPU holds the whole prompt on both ranks
 
 
 def test_batches_recovered_by_replay_go_back_in_sequence(tmp_path: Path) -> None:
