@@ -28,6 +28,7 @@ from kvbridge.ray_integration import (
 from kvbridge.testing import SimulatedEngine
 
 __all__ = [
+    "RouterProcess",
     "SimulatedReplica",
     "VllmReplica",
     "ray_session",
@@ -195,3 +196,30 @@ class VllmReplica(KVEventsReplica):
     def __del__(self) -> None:
         self.server.close()
         super().__del__()
+
+
+@ray.remote(num_cpus=0)
+class RouterProcess:
+    """A process of its own holding a handle to ``app``'s ``deployment``, as each ingress
+    replica of an app does: Serve builds a router in it, and DynamoKVRouter its own Dynamo
+    ``SelectionService``, with a load view of its own."""
+
+    def __init__(self, app: str, deployment: str) -> None:
+        self.app, self.deployment = app, deployment
+        self.handle = serve.get_deployment_handle(deployment, app)
+
+    def call(self, **kwargs: Any) -> dict[str, Any]:
+        answer: dict[str, Any] = self.handle.remote(**kwargs).result()
+        return answer
+
+    def wait_registered(self, replicas: list[str]) -> None:
+        wait_registered(self.handle, set(replicas), self.app, self.deployment)
+
+    def stats(self) -> dict[str, Any]:
+        """This process's router: outcomes, fallbacks and reservations still held."""
+        state = routing_state(self.app, self.deployment)
+        return {
+            "outcomes": dict(state.stats.outcomes),
+            "fallbacks": dict(state.stats.fallbacks),
+            "active_reservations": state.client.active_reservations(),
+        }

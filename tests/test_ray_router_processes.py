@@ -1,0 +1,159 @@
+"""Two router processes in front of one deployment, as Serve has one in each process holding a
+handle (each ingress replica): each DynamoKVRouter has its own Dynamo ``SelectionService``, fed by
+the same relays, so they share the cache view but not the load view (each sees only its own
+reservations).
+
+Three replicas run a SimulatedEngine each (GPU pool of 128 blocks, CPU tier, block size 16).
+The workload: 30 multi-turn sessions of 4 turns, three sessions at a time; turn ``t`` of session
+``s`` goes through router process ``(s + t) % 2``, so every session alternates between the two.
+The same workload through one router process is the reference. Measured: session affinity (a
+follow-up on the replica that served the session's previous turn), and the load as new
+sessions per replica.
+
+Dynamo's replica sync (``replica_sync_port``/``replica_sync_peers``) is not used: the figures
+below show the two processes route as one does. README.md, "Several router processes", gives
+the bound.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+from support.ray_apps import (  # noqa: E402
+    RouterProcess,
+    SimulatedReplica,
+    ray_session,
+    replica_ids,
+    wait_until,
+)
+
+from kvbridge.ray_integration import DynamoKVRouter  # noqa: E402
+from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
+
+BLOCK_SIZE = 16
+GPU_BLOCKS = 128
+CPU_BLOCKS = 2048
+SESSIONS = 30
+TURNS = 4
+CONCURRENCY = 3
+DEPLOYMENT = "Engine"
+AFFINITY_BOUND = 0.95
+LOAD_BOUND = 1.5
+"""New sessions per replica stay under this times the mean (15 of 30 on 3 replicas)."""
+
+
+@dataclass
+class Session:
+    tokens: list[int]
+    rng: random.Random
+    replicas: list[str] = field(default_factory=list)
+
+
+def make_sessions(seed: int) -> list[Session]:
+    rng = random.Random(seed)
+    return [
+        Session([rng.randrange(1, 30_000) for _ in range(rng.randrange(80, 161))], random.Random(i))
+        for i in range(SESSIONS)
+    ]
+
+
+@dataclass
+class Run:
+    sessions: list[Session]
+    stats: list[dict[str, Any]]
+
+    @property
+    def affinity(self) -> float:
+        stayed = sum(
+            s.replicas[t] == s.replicas[t - 1] for s in self.sessions for t in range(1, TURNS)
+        )
+        return stayed / (SESSIONS * (TURNS - 1))
+
+    @property
+    def new_sessions(self) -> Counter[str]:
+        return Counter(s.replicas[0] for s in self.sessions)
+
+
+def run(app: str, processes: int, seed: int) -> Run:
+    """The workload through ``processes`` router processes, on a new app of 3 replicas."""
+    bound = serve.deployment(
+        name=DEPLOYMENT,
+        num_replicas=3,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=8,
+        request_router_config=RequestRouterConfig(
+            request_router_class=DynamoKVRouter,
+            request_router_kwargs={"block_size": BLOCK_SIZE},
+            request_routing_stats_period_s=0.5,
+        ),
+    )(SimulatedReplica).bind(block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS)
+    handle = serve.run(bound, name=app, route_prefix=None)
+    replicas = sorted(replica_ids(handle, 3))
+    routers = [RouterProcess.remote(app, DEPLOYMENT) for _ in range(processes)]
+    ray.get([router.wait_registered.remote(replicas) for router in routers])
+    before = ray.get([router.stats.remote() for router in routers])  # registration's requests
+    work = make_sessions(seed)
+
+    def turn(index: int, session: Session, number: int) -> None:
+        if number:
+            session.tokens += [session.rng.randrange(1, 30_000) for _ in range(40)]
+        router = routers[(index + number) % processes]
+        answer = ray.get(router.call.remote(prompt_token_ids=session.tokens, max_tokens=8))
+        session.tokens += answer["output"]
+        session.replicas.append(answer["replica"])
+
+    with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
+        for number in range(TURNS):
+            list(pool.map(turn, range(SESSIONS), work, [number] * SESSIONS))
+    stats = [
+        {
+            key: dict(Counter(after[key]) - Counter(earlier[key]))
+            for key in ("outcomes", "fallbacks")
+        }
+        for earlier, after in zip(before, ray.get([r.stats.remote() for r in routers]), strict=True)
+    ]
+    for router in routers:
+        wait_until(
+            lambda r=router: ray.get(r.stats.remote())["active_reservations"] == 0,
+            what="reservations freed",
+        )
+        ray.kill(router)
+    serve.delete(app)
+    return Run(work, stats)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[tuple[Run, Run]]:
+    with ray_session():
+        yield run("one", 1, seed=11), run("two", 2, seed=11)
+    close_routing_states()
+
+
+def test_two_router_processes_keep_sessions_and_load_as_one(runs: tuple[Run, Run]) -> None:
+    one, two = runs
+    for name, result in (("1 router process", one), ("2 router processes", two)):
+        print(
+            f"\n{name}: affinity {result.affinity:.1%}, new sessions per replica "
+            f"{sorted(result.new_sessions.values())}, outcomes "
+            f"{[s['outcomes'] for s in result.stats]}"
+        )
+    decided = [sum(s["outcomes"].get("dynamo", 0) for s in r.stats) for r in runs]
+    assert decided == [SESSIONS * TURNS] * 2, "every request decided by Dynamo"
+    assert all(s["fallbacks"] == {} for r in runs for s in r.stats)
+    # With two processes, each took half of every session's turns.
+    assert [s["outcomes"]["dynamo"] for s in two.stats] == [SESSIONS * TURNS // 2] * 2
+    for result in runs:
+        assert result.affinity >= AFFINITY_BOUND
+        assert len(result.new_sessions) == 3
+        assert max(result.new_sessions.values()) <= LOAD_BOUND * SESSIONS / 3
