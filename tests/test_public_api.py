@@ -74,8 +74,14 @@ def test_a_malformed_payload_leaves_the_index_unchanged(kind: str, message: str)
     normalizer, index = Normalizer(1, 4), TieredIndex(4)
     index.apply(normalizer.normalize(decode_batch(_valid()), 0))
     before = (index.dump(), index.overlap(TOKENS), normalizer.stats)
+    payload = _malformed()[kind]
     with pytest.raises(SchemaError) as raised:
-        index.apply(normalizer.normalize(decode_batch(_malformed()[kind]), 1))
+        decode_batch(payload)
+    assert str(raised.value) == message
+    # The normalizer reads the payload's bytes itself: it refuses them with the same error,
+    # before any of its state or the index has changed.
+    with pytest.raises(SchemaError) as raised:
+        index.apply(normalizer.normalize(payload, 1))
     assert str(raised.value) == message
     assert (index.dump(), index.overlap(TOKENS), normalizer.stats) == before
     assert index.overlap(TOKENS) == {(1, 0): Overlap(4, 4, 4)}
