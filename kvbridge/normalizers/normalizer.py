@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable
-from enum import StrEnum
 from typing import Final
 
 import structlog
@@ -38,27 +37,27 @@ _NEWEST_LAYOUT: Final = LAYOUTS[-1]
 _U64_MASK: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 
-class DropReason(StrEnum):
+class DropReason:
     """Why a block (or a clear) was not forwarded. Counted in :attr:`Normalizer.stats`."""
 
-    UNKNOWN_MEDIUM = "unknown_medium"
-    REMOTE_LOCALITY = "remote_locality"
-    UNKNOWN_LOCALITY = "unknown_locality"
-    NON_MAIN_GROUP = "non_main_group"
-    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
-    ORPHAN_PARENT = "orphan_parent"
-    UNRESOLVED_PLACEHOLDER = "unresolved_placeholder"
-    DUPLICATE_STORE = "duplicate_store"
-    STILL_REFERENCED = "still_referenced"
-    UNKNOWN_BLOCK = "unknown_block"
-    CLEARED_EARLIER = "cleared_earlier"
+    UNKNOWN_MEDIUM: Final = "unknown_medium"
+    REMOTE_LOCALITY: Final = "remote_locality"
+    UNKNOWN_LOCALITY: Final = "unknown_locality"
+    NON_MAIN_GROUP: Final = "non_main_group"
+    BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
+    ORPHAN_PARENT: Final = "orphan_parent"
+    UNRESOLVED_PLACEHOLDER: Final = "unresolved_placeholder"
+    DUPLICATE_STORE: Final = "duplicate_store"
+    STILL_REFERENCED: Final = "still_referenced"
+    UNKNOWN_BLOCK: Final = "unknown_block"
+    CLEARED_EARLIER: Final = "cleared_earlier"
     """A removal of a block an ``AllBlocksCleared`` already took off every tier. vLLM's reset
     keeps its CPU pool, so the CPU tier goes on evicting blocks kvbridge has cleared: expected,
     and nothing is lost."""
-    STATE_CAP = "state_cap"
+    STATE_CAP: Final = "state_cap"
     """A store that would need one more (LoRA name, cache salt) pair than ``max_contexts``
     while every pair is in use."""
-    UNKNOWN_FIELD = "unknown_field"
+    UNKNOWN_FIELD: Final = "unknown_field"
     """Not a drop: unknown trailing positions or map keys the decoder ignored."""
 
 
@@ -119,6 +118,8 @@ class Normalizer:
         self._lock = threading.Lock()
         """The core works without the GIL: a reader on another thread (a metrics scrape)
         waits for it here instead of finding its state borrowed."""
+        self._first_drops = self._core.first_drops
+        """The core appends each reason dropped for the first time here; empty otherwise."""
         self._log = structlog.get_logger("kvbridge.normalizer").bind(worker_id=worker_id)
 
     # -- public API -----------------------------------------------------------------------
@@ -150,20 +151,22 @@ class Normalizer:
         stream that restarted before any batch named its rank, whose consumers may still hold
         that rank's blocks.
         """
-        if isinstance(batch, VllmBatch):
+        if type(batch) is bytes:
+            payload, unknown = batch, 0
+        elif isinstance(batch, VllmBatch):
             payload, unknown = _payload_of(batch), batch.unknown_fields
         else:
             payload, unknown = bytes(batch), 0
-        try:
-            with self._lock:
+        with self._lock:
+            try:
                 output = self._core.normalize(payload, seq, reset_first)
-        except _core.PayloadError as error:
-            message, event_index, field = error.args
-            raise SchemaError(message, event_index=event_index, field=field) from None
-        if unknown:
-            with self._lock:
+            except _core.PayloadError as error:
+                message, event_index, field = error.args
+                raise SchemaError(message, event_index=event_index, field=field) from None
+            if unknown:
                 self._core.add_unknown_fields(unknown)
-        self._log_first_drops()
+        if self._first_drops:
+            self._log_first_drops()
         return NormalizedBatch(output)
 
     def reset(self, dp_rank: int | None = None) -> list[TieredEvent]:

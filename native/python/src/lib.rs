@@ -35,6 +35,9 @@ fn tier_of(index: usize) -> PyResult<Tier> {
 #[pyclass(module = "kvbridge._core", name = "Normalizer")]
 struct PyNormalizer {
     inner: Normalizer,
+    /// Reasons dropped for the first time, appended as they happen: a list Python can test
+    /// for emptiness without a call.
+    first_drops: Py<PyList>,
 }
 
 #[pymethods]
@@ -43,6 +46,7 @@ impl PyNormalizer {
     #[pyo3(signature = (worker_id, block_size, retain_evicted, main_kinds, max_ranks, max_blocks, max_contexts))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         worker_id: u64,
         block_size: usize,
         retain_evicted: usize,
@@ -56,6 +60,7 @@ impl PyNormalizer {
         }
         let kinds: Vec<&str> = main_kinds.iter().map(String::as_str).collect();
         Ok(PyNormalizer {
+            first_drops: PyList::empty(py).unbind(),
             inner: Normalizer::new(
                 worker_id,
                 block_size,
@@ -83,27 +88,31 @@ impl PyNormalizer {
         let output = py
             .detach(|| inner.normalize(payload, seq, reset_first))
             .map_err(payload_error)?;
+        self.publish_first_drops(py)?;
         Ok(self.wrap(output))
     }
 
     /// Forgets one rank (or all) and returns the clears that undo it downstream.
     #[pyo3(signature = (dp_rank=None))]
-    fn reset(&mut self, dp_rank: Option<u32>) -> PyOutput {
+    fn reset(&mut self, py: Python<'_>, dp_rank: Option<u32>) -> PyResult<PyOutput> {
         let output = self.inner.reset(dp_rank);
-        self.wrap(output)
+        self.publish_first_drops(py)?;
+        Ok(self.wrap(output))
     }
 
     /// Clears one rank downstream after a loss, keeping its blocks' identities (see
     /// `Normalizer::reset_lost`).
-    fn reset_lost(&mut self, dp_rank: u32) -> PyOutput {
+    fn reset_lost(&mut self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
         let output = self.inner.reset_lost(dp_rank);
-        self.wrap(output)
+        self.publish_first_drops(py)?;
+        Ok(self.wrap(output))
     }
 
     /// A clear of one rank, then a store of every block it holds, tier by tier.
-    fn snapshot(&mut self, dp_rank: u32) -> PyOutput {
+    fn snapshot(&mut self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
         let output = self.inner.snapshot(dp_rank);
-        self.wrap(output)
+        self.publish_first_drops(py)?;
+        Ok(self.wrap(output))
     }
 
     /// Blocks announced again after a loss, because stores named them as ancestors.
@@ -169,27 +178,20 @@ impl PyNormalizer {
         out
     }
 
+    /// Reasons dropped for the first time and not yet taken, as they happen: (reason, action,
+    /// tier, medium) tuples. The same list every time; empty while there is nothing to log.
+    #[getter]
+    fn first_drops(&self, py: Python<'_>) -> Py<PyList> {
+        self.first_drops.clone_ref(py)
+    }
+
     /// Reasons dropped for the first time since the last call: (reason, action, tier, medium).
-    fn take_first_drops(
-        &mut self,
-    ) -> Vec<(
-        &'static str,
-        &'static str,
-        Option<&'static str>,
-        Option<String>,
-    )> {
-        self.inner
-            .first_drops
-            .drain(..)
-            .map(|drop| {
-                (
-                    drop.reason.name(),
-                    drop.action.name(),
-                    drop.tier.map(Tier::name),
-                    drop.medium,
-                )
-            })
-            .collect()
+    fn take_first_drops<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.publish_first_drops(py)?;
+        let pending = self.first_drops.bind(py);
+        let taken = PyList::new(py, pending.iter())?;
+        pending.del_slice(0, pending.len())?;
+        Ok(taken)
     }
 
     fn dp_ranks(&self) -> Vec<u32> {
@@ -212,6 +214,23 @@ impl PyNormalizer {
 }
 
 impl PyNormalizer {
+    /// Moves the core's first drops to the Python list.
+    fn publish_first_drops(&mut self, py: Python<'_>) -> PyResult<()> {
+        if self.inner.first_drops.is_empty() {
+            return Ok(());
+        }
+        let list = self.first_drops.bind(py);
+        for drop in self.inner.first_drops.drain(..) {
+            list.append((
+                drop.reason.name(),
+                drop.action.name(),
+                drop.tier.map(Tier::name),
+                drop.medium,
+            ))?;
+        }
+        Ok(())
+    }
+
     fn wrap(&self, output: Output) -> PyOutput {
         PyOutput {
             output,
