@@ -11,7 +11,7 @@ use crate::hashing::{block_seed, identifier_hash, sequence_hash, tokens_hash, DY
 use crate::media::{tier_for_medium, Tier};
 use crate::msgpack::{Item, Reader};
 use crate::output::{Body, OutEvent, Output};
-use crate::state::{map, Map, Rank, Slot};
+use crate::state::{map, Map, Rank, Slot, MAX_CONTEXTS};
 
 /// Why a block (or a clear) was not forwarded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -297,7 +297,7 @@ impl Normalizer {
         }
         current.remap_contexts(&remap);
         self.counters.context_compactions += 1;
-        self.contexts.len() < self.limits.max_contexts
+        self.contexts.len() < self.limits.max_contexts.clamp(1, MAX_CONTEXTS)
     }
 
     /// The canonical events of one payload. A payload that does not decode changes nothing.
@@ -452,8 +452,8 @@ impl Normalizer {
         if let Some(id) = self.context_ids.get(&key) {
             return Some(*id);
         }
-        if self.contexts.len() >= self.limits.max_contexts.max(1) && !self.compact_contexts(current)
-        {
+        let cap = self.limits.max_contexts.clamp(1, MAX_CONTEXTS);
+        if self.contexts.len() >= cap && !self.compact_contexts(current) {
             return None;
         }
         let id = self.contexts.len() as u32;

@@ -48,7 +48,12 @@ pub type Slot = u32;
 const LIVE: u32 = 1 << 31;
 const RETIRED: u32 = 1 << 30;
 const HAS_PARENT: u32 = 1 << 29;
-const CONTEXT_MASK: u32 = HAS_PARENT - 1;
+/// The slot is the one the canonical-hash index holds for its canonical block: it owns the
+/// block's reference counts.
+const OWNER: u32 = 1 << 28;
+const CONTEXT_MASK: u32 = OWNER - 1;
+/// Contexts a slot can name.
+pub const MAX_CONTEXTS: usize = CONTEXT_MASK as usize + 1;
 /// A reference count of this value or more is kept in the spill table.
 const SPILLED: u8 = u8::MAX;
 
@@ -309,6 +314,9 @@ impl Rank {
     /// holds it. Candidates are compared by parent and tokens hash, whose sequence hash the
     /// canonical hash is, so no hash is recomputed.
     pub fn owner_of(&self, slot: Slot, canonical: u64) -> Option<Slot> {
+        if self.meta[slot as usize] & OWNER != 0 {
+            return Some(slot); // the index's entry for this canonical block is the slot itself
+        }
         let (tokens_hash, parent) = (self.tokens_hash[slot as usize], self.parent(slot));
         self.by_canonical
             .find(hash_u64(canonical), |&other| {
@@ -341,11 +349,28 @@ impl Rank {
     /// Counts one more reference to the block's canonical block (`canonical`) on `tier`;
     /// returns the count before.
     pub fn add_ref(&mut self, slot: Slot, canonical: u64, tier: Tier) -> u32 {
-        let owner = match self.owner_of(slot, canonical) {
-            Some(owner) => owner,
-            None => {
-                self.insert_owner(slot, canonical);
-                slot
+        let owner = if self.meta[slot as usize] & OWNER != 0 {
+            slot
+        } else {
+            // One probe finds the owner or the place for a new one.
+            let index = slot as usize;
+            let (tokens_hash, parent, meta) = (&self.tokens_hash, &self.parent, &self.meta);
+            let (hash, parent_of) = (tokens_hash[index], parent_at(meta, parent, index));
+            let entry = self.by_canonical.entry(
+                hash_u64(canonical),
+                |&other| {
+                    tokens_hash[other as usize] == hash
+                        && parent_at(meta, parent, other as usize) == parent_of
+                },
+                |&s| hash_u64(canonical_at(meta, parent, tokens_hash, s)),
+            );
+            match entry {
+                hashbrown::hash_table::Entry::Occupied(entry) => *entry.get(),
+                hashbrown::hash_table::Entry::Vacant(entry) => {
+                    entry.insert(slot);
+                    self.meta[index] |= OWNER;
+                    slot
+                }
             }
         };
         let before = self.count(owner, tier);
@@ -354,13 +379,6 @@ impl Rank {
         }
         self.set_count(owner, tier, before + 1);
         before
-    }
-
-    fn insert_owner(&mut self, slot: Slot, canonical: u64) {
-        let (tokens_hash, parent, meta) = (&self.tokens_hash, &self.parent, &self.meta);
-        let rehash = |&s: &Slot| hash_u64(canonical_at(meta, parent, tokens_hash, s));
-        self.by_canonical
-            .insert_unique(hash_u64(canonical), slot, rehash);
     }
 
     /// The references to a canonical block on `tier`.
@@ -382,6 +400,7 @@ impl Rank {
                     .find_entry(hash_u64(canonical), |&slot| slot == owner);
                 if let Ok(entry) = found {
                     entry.remove();
+                    self.meta[owner as usize] &= !OWNER;
                 }
             }
         }
@@ -406,6 +425,9 @@ impl Rank {
     pub fn clear_refs(&mut self) {
         for refs in &mut self.refs {
             *refs = [0; 4];
+        }
+        for meta in &mut self.meta {
+            *meta &= !OWNER;
         }
         self.spill.clear();
         self.by_canonical.clear();
@@ -722,8 +744,11 @@ impl Rank {
 
 fn canonical_at(meta: &[u32], parent: &[u64], tokens_hash: &[u64], slot: Slot) -> u64 {
     let index = slot as usize;
-    let parent = (meta[index] & HAS_PARENT != 0).then(|| parent[index]);
-    sequence_hash(parent, tokens_hash[index])
+    sequence_hash(parent_at(meta, parent, index), tokens_hash[index])
+}
+
+fn parent_at(meta: &[u32], parent: &[u64], index: usize) -> Option<u64> {
+    (meta[index] & HAS_PARENT != 0).then(|| parent[index])
 }
 
 /// A hashbrown table's bytes: one control byte per bucket plus the entries, with buckets a
