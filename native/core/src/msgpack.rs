@@ -28,7 +28,7 @@ pub enum ReadError {
 impl fmt::Display for ReadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ReadError::Truncated => f.write_str("Input data was truncated"), // as msgspec says it
+            ReadError::Truncated => f.write_str("input data was truncated"),
             ReadError::BadMarker(byte) => write!(f, "invalid opcode, '\\x{byte:02x}'"),
             ReadError::Utf8 => f.write_str("invalid utf-8"),
             ReadError::TooDeep => write!(f, "nesting deeper than {MAX_DEPTH} levels"),
@@ -98,17 +98,18 @@ impl<'a> Lax<'a> {
 }
 
 /// For each marker byte: (width, shift, mask) of a non-negative integer below 2**32 read from
-/// the big-endian word of the marker and the four bytes after it, or width 0 for any other item.
+/// the big-endian word of the marker and the seven bytes after it, or width 0 for any other
+/// item.
 const SMALL_UINT: [(u8, u8, u32); 256] = {
     let mut table = [(0u8, 0u8, 0u32); 256];
     let mut marker = 0;
     while marker < 0x80 {
-        table[marker] = (1, 32, 0x7f);
+        table[marker] = (1, 56, 0x7f);
         marker += 1;
     }
-    table[0xcc] = (2, 24, 0xff);
-    table[0xcd] = (3, 16, 0xffff);
-    table[0xce] = (5, 0, u32::MAX);
+    table[0xcc] = (2, 48, 0xff);
+    table[0xcd] = (3, 40, 0xffff);
+    table[0xce] = (5, 24, u32::MAX);
     table
 };
 
@@ -279,25 +280,29 @@ impl<'a> Reader<'a> {
     pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> usize {
         let data = self.data;
         let mut pos = self.pos;
+        // Every token takes a byte at least: room for all that can be there, written by index
+        // (no capacity check per token), and cut to what was read.
+        let start = out.len();
+        let room = count.min(data.len() - pos);
+        out.resize(start + room, 0);
+        let values = &mut out[start..];
         let mut done = 0;
-        // A local vector keeps its length in a register.
-        let mut values = std::mem::take(out);
-        // Five bytes are read for every token whatever its width (the widest is 5): the last
+        // Eight bytes are read for every token whatever its width (the widest is 5): the last
         // few tokens of a payload take the general path.
-        while done < count {
-            let Some(&[marker, b1, b2, b3, b4]) = data.get(pos..pos + 5) else {
+        while done < room {
+            let Some(chunk) = data.get(pos..).and_then(<[u8]>::first_chunk::<8>) else {
                 break;
             };
-            let (width, shift, mask) = SMALL_UINT[usize::from(marker)];
+            let word = u64::from_be_bytes(*chunk);
+            let (width, shift, mask) = SMALL_UINT[(word >> 56) as usize];
             if width == 0 {
                 break;
             }
-            let word = u64::from_be_bytes([0, 0, 0, marker, b1, b2, b3, b4]);
-            values.push((word >> shift) as u32 & mask);
+            values[done] = (word >> shift) as u32 & mask;
             pos += usize::from(width);
             done += 1;
         }
-        *out = values;
+        out.truncate(start + done);
         self.pos = pos;
         done
     }
@@ -308,14 +313,16 @@ impl<'a> Reader<'a> {
     /// (left unread); returns how many it read.
     #[inline]
     pub fn hashes(&mut self, count: usize, out: &mut Vec<u64>) -> usize {
+        let mut values = std::mem::take(out);
         let mut done = 0;
         while done < count {
             match self.hash() {
-                Some(value) => out.push(value),
+                Some(value) => values.push(value),
                 None => break,
             }
             done += 1;
         }
+        *out = values;
         done
     }
 
