@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable
+from enum import StrEnum
 from typing import Final
 
 import structlog
@@ -37,27 +38,27 @@ _NEWEST_LAYOUT: Final = LAYOUTS[-1]
 _U64_MASK: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 
-class DropReason:
+class DropReason(StrEnum):
     """Why a block (or a clear) was not forwarded. Counted in :attr:`Normalizer.stats`."""
 
-    UNKNOWN_MEDIUM: Final = "unknown_medium"
-    REMOTE_LOCALITY: Final = "remote_locality"
-    UNKNOWN_LOCALITY: Final = "unknown_locality"
-    NON_MAIN_GROUP: Final = "non_main_group"
-    BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
-    ORPHAN_PARENT: Final = "orphan_parent"
-    UNRESOLVED_PLACEHOLDER: Final = "unresolved_placeholder"
-    DUPLICATE_STORE: Final = "duplicate_store"
-    STILL_REFERENCED: Final = "still_referenced"
-    UNKNOWN_BLOCK: Final = "unknown_block"
-    CLEARED_EARLIER: Final = "cleared_earlier"
+    UNKNOWN_MEDIUM = "unknown_medium"
+    REMOTE_LOCALITY = "remote_locality"
+    UNKNOWN_LOCALITY = "unknown_locality"
+    NON_MAIN_GROUP = "non_main_group"
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    ORPHAN_PARENT = "orphan_parent"
+    UNRESOLVED_PLACEHOLDER = "unresolved_placeholder"
+    DUPLICATE_STORE = "duplicate_store"
+    STILL_REFERENCED = "still_referenced"
+    UNKNOWN_BLOCK = "unknown_block"
+    CLEARED_EARLIER = "cleared_earlier"
     """A removal of a block an ``AllBlocksCleared`` already took off every tier. vLLM's reset
     keeps its CPU pool, so the CPU tier goes on evicting blocks kvbridge has cleared: expected,
     and nothing is lost."""
-    STATE_CAP: Final = "state_cap"
+    STATE_CAP = "state_cap"
     """A store that would need one more (LoRA name, cache salt) pair than ``max_contexts``
     while every pair is in use."""
-    UNKNOWN_FIELD: Final = "unknown_field"
+    UNKNOWN_FIELD = "unknown_field"
     """Not a drop: unknown trailing positions or map keys the decoder ignored."""
 
 
