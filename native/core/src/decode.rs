@@ -1244,7 +1244,7 @@ fn generic(
 ) -> Result<bool, GenericError> {
     let malformed = |error: ReadError| {
         GenericError::Malformed(match error {
-            ReadError::Truncated => "input data was truncated",
+            ReadError::Truncated => "Input data was truncated",
             ReadError::BadMarker(_) => "invalid opcode",
             ReadError::Utf8 => "invalid utf-8",
             ReadError::TooDeep => "nesting too deep",

@@ -28,7 +28,7 @@ pub enum ReadError {
 impl fmt::Display for ReadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ReadError::Truncated => f.write_str("input data was truncated"),
+            ReadError::Truncated => f.write_str("Input data was truncated"), // as msgspec says it
             ReadError::BadMarker(byte) => write!(f, "invalid opcode, '\\x{byte:02x}'"),
             ReadError::Utf8 => f.write_str("invalid utf-8"),
             ReadError::TooDeep => write!(f, "nesting deeper than {MAX_DEPTH} levels"),
