@@ -1,29 +1,44 @@
 #!/usr/bin/env python3
-"""Decision latency of ``DynamoKVRouter.choose_replicas`` against Ray Serve's power of two choices.
+"""Decision latency of kvbridge's Serve routers against a raw Dynamo select and Serve's default.
 
-Both routers are built in this process the way Serve builds a deployment handle's router
+In one run, for 4, 16 and 64 replicas, on the same replicas and the same 8,192-token prompts:
+
+- ``raw``: Dynamo's ``SelectionService.select_and_reserve`` alone, called as Ray Serve LLM's own
+  ``KVTokenTracker`` calls it (awaited on the caller's loop, with the prompt's token ids and the
+  candidates as ``allowed_worker_ids``), on DynamoKVRouter's service, so on the same index;
+- ``DynamoKVRouter.choose_replicas``;
+- ``DynamoLLMRouter.choose_replicas`` (only where ``ray.serve.llm`` imports, which needs vLLM:
+  run the script with the Serve LLM venv's python, ``tools/serve_llm/setup.sh``);
+- ``PowerOfTwoChoicesRequestRouter.choose_replicas``, Serve's default.
+
+The routers are built in this process the way Serve builds a deployment handle's router
 (``ray.serve._private.router``): its internal constructor keywords, ``initialize_state``, then
 ``RunningReplicaInfo`` records turned into ``RunningReplica`` objects and ``update_replicas``.
 No Serve replica runs. Serve resolves each replica's actor by name, and power of two choices
 probes new replicas' queue lengths, so every replica points at one small actor that answers the
 probe, in a local Ray started for the run.
 
-Each replica's routing stats carry a :class:`~kvbridge.ray_integration.KVEventsAdvert`, and
-DynamoKVRouter registers every replica with its real Dynamo ``SelectionService``, which
-subscribes to the advertised streams. One replica in four runs a real relay
-(:class:`~kvbridge.ray_integration.KVEventsReplica`) fed by a
-:class:`~kvbridge.testing.SimulatedEngine` (block size 32, 1,024 blocks) that has served three
-prompts of 8,192 tokens; the other replicas advertise bound streams on which nothing is
-published. The clock starts once Dynamo has indexed every served prompt.
+Every replica advertises what a Ray Serve LLM replica advertises, ``kv_event_metadata`` naming a
+raw vLLM stream: one replica in four runs a :class:`~kvbridge.testing.SimulatedEngine` (vLLM
+0.32's events, block size 32, 1,024 blocks) that has served three prompts of 8,192 tokens, the
+others bind a stream and a replay socket on which nothing is published. DynamoKVRouter registers
+the raw streams with its Dynamo as they are (these engines' events need no normalization);
+DynamoLLMRouter relays each through a kvbridge relay in this process, as it does in Serve LLM.
+The clock starts once both services have indexed every served prompt.
 
 The queries are 8,192-token prompts: three in four repeat a served prompt's first 25-100% and
-continue with new tokens, one in four is all new. For each replica count both routers take the
-same queries in the same order, alternately, and which router goes first alternates too. Every
-call gets a new ``PendingRequest`` with ``kwargs={"prompt_token_ids": tokens}`` and a unique
+continue with new tokens, one in four is all new. In each round every router takes the same
+query, one after the other, the order rotating from round to round. Every call gets a new
+``PendingRequest`` with ``kwargs={"prompt_token_ids": tokens}`` and a unique
 ``internal_request_id``, and the router's candidates are its replica list, as Serve passes them.
-The clock (``time.perf_counter``) is around ``await router.choose_replicas(...)`` alone.
-``on_request_completed`` follows each decision, outside it, and the script waits until Dynamo
-has freed the reservation, so that every decision starts from idle replicas.
+The clock (``time.perf_counter``) is around the awaited call alone. The request's completion
+(``on_request_completed``, or ``free_reservation`` for the raw call) follows outside it, and the
+script waits until Dynamo has freed the reservation, so that every decision starts from idle
+replicas.
+
+With vLLM importable, a last row times ``VllmTokenizer``, DynamoLLMRouter's tokenizer, on an
+8,192-token text completion and chat request (the tiny model of ``tools/vllm_cpu``, whose
+tokenizer maps one byte to one token).
 
 Dynamo logs every selection at INFO level (and each new worker at WARN): the script sets
 ``DYN_LOG=error`` unless it is set, so the figures leave out writing those lines. kvbridge's own
@@ -44,20 +59,26 @@ os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1")
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import gc
+import importlib.util
+import json
 import logging
 import math
 import platform
 import pstats
 import random
 import string
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -75,7 +96,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.ray_integration import DynamoKVRouter, KVEventsAdvert, KVEventsReplica
+from kvbridge.ray_integration import DynamoKVRouter
 from kvbridge.ray_integration.routing import close_routing_states, worker_id_for
 from kvbridge.testing import SimulatedEngine
 
@@ -93,7 +114,21 @@ MAX_ONGOING_REQUESTS = 5
 """Serve's default."""
 INDEX_TIMEOUT_S = 30.0
 ACTOR_NAME = "kvbridge-benchmark-replica"
-ROUTERS = ("pow2", "dynamo")
+MODEL_NAME = "default"
+LABELS = {
+    "raw": "raw select_and_reserve",
+    "dynamo": "DynamoKVRouter",
+    "llm": "DynamoLLMRouter",
+    "pow2": "power of two choices",
+}
+TARGET = 1.5
+"""A kvbridge router's p99 may be at most this many times the raw call's."""
+TOOLS = Path(__file__).resolve().parent.parent / "tools" / "vllm_cpu"
+
+
+def serve_llm_importable() -> bool:
+    """Whether ``ray.serve.llm`` (so DynamoLLMRouter and vLLM) can be imported here."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 @ray.remote(num_cpus=0)
@@ -136,10 +171,10 @@ class Query:
 
 @dataclass
 class Fleet:
-    """The replicas of one run: their adverts, engines and the prompts the engines served."""
+    """The replicas of one run: their routing stats, engines and the prompts they served."""
 
     replica_ids: list[str]
-    adverts: list[KVEventsAdvert]
+    stats: list[dict[str, Any]]
     engines: dict[str, SimulatedEngine] = field(default_factory=dict)
     served: dict[str, list[list[int]]] = field(default_factory=dict)
 
@@ -148,28 +183,31 @@ def random_tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(count)]
 
 
+def ray_llm_stats(endpoint: str, replay_endpoint: str | None) -> dict[str, Any]:
+    """The routing stats of a Ray Serve LLM replica (``LLMServer.record_routing_stats``)."""
+    metadata = {
+        "endpoint": endpoint,
+        "replay_endpoint": replay_endpoint,
+        "block_size": BLOCK_SIZE,
+        "max_num_batched_tokens": PROMPT_TOKENS,
+        "dp_rank": 0,
+    }
+    return {"kv_event_metadata": metadata}
+
+
 def build_fleet(stack: ExitStack, count: int, rng: random.Random) -> Fleet:
-    """``count`` replicas; every ``ENGINE_EVERY``-th runs a relay and an engine, the others
-    advertise silent streams (a bound PUB and replay ROUTER, nothing published)."""
+    """``count`` replicas; every ``ENGINE_EVERY``-th runs an engine, the others advertise silent
+    streams (a bound PUB and replay ROUTER, nothing published)."""
     context = zmq.Context.instance()
     fleet = Fleet([], [])
     for index in range(count):
         replica_id = "".join(rng.choices(string.ascii_lowercase + string.digits, k=8))
         fleet.replica_ids.append(replica_id)
         if index % ENGINE_EVERY == 0:
-            replica = KVEventsReplica(block_size=BLOCK_SIZE, host="127.0.0.1")
-            stack.callback(replica.close_kv_events)
-            config = replica.kv_events_config()
-            engine = SimulatedEngine(
-                config["endpoint"],
-                replay_endpoint=config["replay_endpoint"],
-                bind=None,  # vLLM's rule: the engine connects to its relay, which binds
-                block_size=BLOCK_SIZE,
-                num_blocks=ENGINE_BLOCKS,
-            )
+            engine = SimulatedEngine(block_size=BLOCK_SIZE, num_blocks=ENGINE_BLOCKS)
             stack.callback(engine.close)
             fleet.engines[replica_id] = engine
-            fleet.adverts.append(replica.kv_advert)
+            fleet.stats.append(ray_llm_stats(engine.endpoint, engine.replay_endpoint))
         else:
             silent = Publisher(
                 "tcp://127.0.0.1:0",
@@ -178,21 +216,15 @@ def build_fleet(stack: ExitStack, count: int, rng: random.Random) -> Fleet:
                 bind=True,
             )
             stack.callback(silent.close)
-            fleet.adverts.append(
-                KVEventsAdvert(
-                    endpoints={0: silent.endpoint},
-                    replay_endpoints={0: str(silent.replay_endpoint)},
-                    block_size=BLOCK_SIZE,
-                )
-            )
+            fleet.stats.append(ray_llm_stats(silent.endpoint, silent.replay_endpoint))
     return fleet
 
 
-def serve_prompts(fleet: Fleet, rng: random.Random) -> None:
-    """Each engine serves ``SERVED_PER_ENGINE`` new prompts (its relay republishes the events)."""
+def serve_prompts(fleet: Fleet, rng: random.Random, subscribers: int) -> None:
+    """Each engine serves ``SERVED_PER_ENGINE`` new prompts, once ``subscribers`` listen."""
     for replica_id, engine in fleet.engines.items():
-        if not engine.wait_for_subscribers(1, timeout=10.0):
-            raise SystemExit(f"the relay of {replica_id} never subscribed to its engine")
+        if not engine.wait_for_subscribers(subscribers, timeout=10.0):
+            raise SystemExit(f"{replica_id}'s engine has fewer than {subscribers} subscribers")
         prompts = [random_tokens(rng, PROMPT_TOKENS) for _ in range(SERVED_PER_ENGINE)]
         for prompt in prompts:
             engine.generate(prompt, max_tokens=4)
@@ -228,9 +260,9 @@ def replica_infos(
             availability_zone=None,
             actor_name=ACTOR_NAME,
             max_ongoing_requests=MAX_ONGOING_REQUESTS,
-            routing_stats=advert.routing_stats(),
+            routing_stats=stats,
         )
-        for replica_id, advert in zip(fleet.replica_ids, fleet.adverts, strict=True)
+        for replica_id, stats in zip(fleet.replica_ids, fleet.stats, strict=True)
     ]
 
 
@@ -264,23 +296,49 @@ def make_router(
     return router
 
 
+def make_llm_router(deployment_id: DeploymentID, node_id: str, fleet: Fleet) -> DynamoKVRouter:
+    """DynamoLLMRouter as Ray Serve LLM configures it (no router kwargs).
+
+    Its vLLM tokenizer reads the deployment's ``LLMConfig`` from Serve's controller, which this
+    script does not run, so it fails to load; token-id prompts never need it. Its loading
+    (vLLM's imports) is waited for here, so that it does not run during the timed decisions.
+    """
+    from kvbridge.ray_integration.llm_router import DynamoLLMRouter
+
+    router = make_router(
+        DynamoLLMRouter, deployment_id, node_id, replica_infos(fleet, deployment_id, node_id)
+    )
+    assert isinstance(router, DynamoKVRouter)
+    tokenizer = getattr(router, "_vllm_tokenizer", None)
+    if tokenizer is not None:
+        with contextlib.suppress(Exception):
+            tokenizer.wait_loaded(120)
+    return router
+
+
 def device_overlap(router: DynamoKVRouter, prompt: list[int], worker_id: int) -> int:
-    """The blocks of ``prompt`` Dynamo's index holds on the worker's device tier."""
+    """The blocks of ``prompt`` the router's Dynamo holds on the worker's device tier."""
     scores = router.routing.client.call_sync(
-        "overlap_scores", {"token_ids": prompt, "model_name": "default"}
+        "overlap_scores", {"token_ids": prompt, "model_name": MODEL_NAME}
     )
     return sum(int(w["device_blocks"]) for w in scores["workers"] if w["worker_id"] == worker_id)
 
 
-def wait_until_indexed(router: DynamoKVRouter, fleet: Fleet) -> float:
-    """Until Dynamo has indexed every served prompt whole; returns the seconds it took."""
+def wait_until_indexed(routers: Sequence[DynamoKVRouter], fleet: Fleet) -> float:
+    """Until every router's Dynamo has indexed every served prompt whole; returns the seconds
+    it took."""
     started = time.monotonic()
-    pending = [(p, worker_id_for(r)) for r, prompts in fleet.served.items() for p in prompts]
+    pending = [
+        (router, p, worker_id_for(r))
+        for router in routers
+        for r, prompts in fleet.served.items()
+        for p in prompts
+    ]
     while pending:
         if time.monotonic() - started > INDEX_TIMEOUT_S:
             raise SystemExit(f"Dynamo did not index {len(pending)} served prompts in time")
         time.sleep(0.05)
-        pending = [(p, w) for p, w in pending if device_overlap(router, p, w) < PROMPT_BLOCKS]
+        pending = [(d, p, w) for d, p, w in pending if device_overlap(d, p, w) < PROMPT_BLOCKS]
     return time.monotonic() - started
 
 
@@ -289,7 +347,7 @@ def wait_until_indexed(router: DynamoKVRouter, fleet: Fleet) -> float:
 
 @dataclass
 class Tally:
-    """What DynamoKVRouter decided, checked against the queries."""
+    """What a Dynamo path decided, checked against the queries."""
 
     decisions: int = 0
     with_overlap: int = 0
@@ -299,20 +357,68 @@ class Tally:
     """Of those, decisions on the serving replica with the whole shared prefix as overlap."""
     overlap_blocks: int = 0
 
+    def add(self, query: Query, replica_id: str | None, overlap: int) -> None:
+        self.decisions += 1
+        self.with_overlap += overlap > 0
+        self.overlap_blocks += overlap
+        if query.replica is not None:
+            self.expected += 1
+            self.found += replica_id == query.replica and overlap == query.blocks
 
-async def decide(router: RequestRouter, tokens: list[int], request_id: str) -> float:
-    """One ``choose_replicas`` call, timed; then the request's completion."""
-    request = PendingRequest(
-        args=[],
-        kwargs={"prompt_token_ids": tokens},
-        metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id),
-    )
-    candidates = router._replicas_list  # what Serve passes
-    started = time.perf_counter()
-    ranked = await router.choose_replicas(candidates, request)
-    elapsed = time.perf_counter() - started
-    router.on_request_completed(ranked[0][0].replica_id, request_id)
-    return elapsed
+
+Decide = Callable[[Query, str], Awaitable[float]]
+"""Times one decision on a query with a request id, checks it, and completes the request."""
+
+
+def router_decider(router: RequestRouter, tally: Tally | None) -> Decide:
+    """``choose_replicas`` timed, then the request's completion; for a kvbridge router, the
+    decision checked and Dynamo's free waited for."""
+
+    async def decide(query: Query, request_id: str) -> float:
+        request = PendingRequest(
+            args=[],
+            kwargs={"prompt_token_ids": query.tokens},
+            metadata=RequestMetadata(request_id=request_id, internal_request_id=request_id),
+        )
+        candidates = router._replicas_list  # what Serve passes
+        started = time.perf_counter()
+        ranked = await router.choose_replicas(candidates, request)
+        elapsed = time.perf_counter() - started
+        router.on_request_completed(ranked[0][0].replica_id, request_id)
+        if isinstance(router, DynamoKVRouter):
+            assert tally is not None
+            await until_freed(router)
+            decision = router.routing.stats.decisions[-1]
+            overlap = decision.overlap.device if decision.overlap is not None else 0
+            tally.add(query, decision.replica_id, overlap)
+        return elapsed
+
+    return decide
+
+
+def raw_decider(router: DynamoKVRouter, replica_ids: list[str], tally: Tally) -> Decide:
+    """Dynamo's ``select_and_reserve`` on ``router``'s service, as Ray's ``KVTokenTracker``
+    calls it, timed; then ``free_reservation``."""
+    service = router.routing.client.service
+    by_worker = {worker_id_for(r): r for r in replica_ids}
+    allowed = list(by_worker)
+
+    async def decide(query: Query, request_id: str) -> float:
+        request = {
+            "model_name": MODEL_NAME,
+            "selection_id": request_id,
+            "token_ids": query.tokens,
+            "allowed_worker_ids": allowed,
+            "expected_output_tokens": None,
+        }
+        started = time.perf_counter()
+        answer = await service.select_and_reserve(request)
+        elapsed = time.perf_counter() - started
+        await service.free_reservation(request_id)
+        tally.add(query, by_worker.get(answer["worker_id"]), answer["overlap"]["gpu"] // BLOCK_SIZE)
+        return elapsed
+
+    return decide
 
 
 async def until_freed(router: DynamoKVRouter) -> None:
@@ -326,46 +432,31 @@ async def until_freed(router: DynamoKVRouter) -> None:
         await asyncio.sleep(0.0002)
 
 
-def check(tally: Tally, router: DynamoKVRouter, query: Query) -> None:
-    decision = router.routing.stats.decisions[-1]
-    tally.decisions += 1
-    overlap = decision.overlap.device if decision.overlap is not None else 0
-    tally.with_overlap += overlap > 0
-    tally.overlap_blocks += overlap
-    if query.replica is not None:
-        tally.expected += 1
-        tally.found += decision.replica_id == query.replica and overlap == query.blocks
-
-
 async def measure(
-    routers: dict[str, RequestRouter],
+    deciders: dict[str, Decide],
     queries: list[Query],
     iterations: int,
     warmup: int,
     profiler: cProfile.Profile | None = None,
-) -> tuple[dict[str, list[float]], Tally]:
-    """Seconds per decision of each router after ``warmup`` rounds, and DynamoKVRouter's tally."""
-    dynamo = routers["dynamo"]
-    assert isinstance(dynamo, DynamoKVRouter)
-    times: dict[str, list[float]] = {name: [] for name in routers}
-    tally = Tally()
+) -> dict[str, list[float]]:
+    """Seconds per decision of each path, after ``warmup`` untimed rounds."""
+    names = list(deciders)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + iterations):
         query = queries[round_ % len(queries)]
-        order = ROUTERS if round_ % 2 == 0 else ROUTERS[::-1]
-        for name in order:
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
             profile = profiler is not None and name == "dynamo" and round_ >= warmup
             if profile:
+                assert profiler is not None
                 profiler.enable()
-            elapsed = await decide(routers[name], query.tokens, f"{name}-{round_}")
+            elapsed = await deciders[name](query, f"{name}-{round_}")
             if profile:
+                assert profiler is not None
                 profiler.disable()
-            if name == "dynamo":
-                await until_freed(dynamo)
             if round_ >= warmup:
                 times[name].append(elapsed)
-                if name == "dynamo":
-                    check(tally, dynamo, query)
-    return times, tally
+    return times
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -380,50 +471,154 @@ class Row:
     engines: int
     p50: dict[str, float]
     p99: dict[str, float]
-    tally: Tally
-    fallbacks: int
-    reservations: int
+    tallies: dict[str, Tally]
+    fallbacks: dict[str, int]
+    reservations: dict[str, int]
     indexed_s: float
 
 
 async def run(
-    count: int, node_id: str, args: argparse.Namespace, profiler: cProfile.Profile | None = None
+    count: int,
+    node_id: str,
+    args: argparse.Namespace,
+    with_llm: bool,
+    profiler: cProfile.Profile | None = None,
 ) -> Row:
     rng = random.Random(args.seed + count)
     with ExitStack() as stack:
         fleet = build_fleet(stack, count, rng)
         deployment = DeploymentID(name=f"Engine{count}", app_name="bench")
         infos = replica_infos(fleet, deployment, node_id)
+        stack.callback(close_routing_states)
         dynamo = make_router(DynamoKVRouter, deployment, node_id, infos, block_size=BLOCK_SIZE)
         assert isinstance(dynamo, DynamoKVRouter)
-        stack.callback(close_routing_states)
+        kvbridge_routers = {"dynamo": dynamo}
+        if with_llm:
+            llm_deployment = DeploymentID(name=f"Engine{count}", app_name="bench-llm")
+            kvbridge_routers["llm"] = make_llm_router(llm_deployment, node_id, fleet)
         pow2 = make_router(PowerOfTwoChoicesRequestRouter, deployment, node_id, infos)
-        routers = {"pow2": pow2, "dynamo": dynamo}
-        # Dynamo registers the replicas; let its subscriptions reach the relays before serving.
+        # Dynamo registers the replicas; let its subscriptions reach the streams before serving.
         deadline = time.monotonic() + INDEX_TIMEOUT_S
-        while len(dynamo.routing.ready_workers(fleet.replica_ids)) < count:
-            if time.monotonic() > deadline:
-                raise SystemExit("Dynamo did not register every replica in time")
-            await asyncio.sleep(0.05)
+        for router in kvbridge_routers.values():
+            while len(router.routing.ready_workers(fleet.replica_ids)) < count:
+                if time.monotonic() > deadline:
+                    raise SystemExit("Dynamo did not register every replica in time")
+                await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)
-        serve_prompts(fleet, rng)
-        indexed_s = wait_until_indexed(dynamo, fleet)
+        serve_prompts(fleet, rng, subscribers=len(kvbridge_routers))
+        indexed_s = wait_until_indexed(list(kvbridge_routers.values()), fleet)
         queries = make_queries(fleet, rng)
         gc.collect()
-        times, tally = await measure(routers, queries, args.iterations, args.warmup, profiler)
+
+        def deciders() -> tuple[dict[str, Decide], dict[str, Tally]]:
+            tallies = {name: Tally() for name in ("raw", *kvbridge_routers)}
+            paths: dict[str, Decide] = {
+                "raw": raw_decider(dynamo, fleet.replica_ids, tallies["raw"])
+            }
+            for name, router in kvbridge_routers.items():
+                paths[name] = router_decider(router, tallies[name])
+            paths["pow2"] = router_decider(pow2, None)
+            return paths, tallies
+
+        warm, _ = deciders()
+        await measure(warm, queries, 0, args.warmup)
+        timed, tallies = deciders()
+        times = await measure(timed, queries, args.iterations, 0, profiler)
         deadline = time.monotonic() + 5.0
-        while dynamo.routing.client.active_reservations() and time.monotonic() < deadline:
+        while (
+            any(r.routing.client.active_reservations() for r in kvbridge_routers.values())
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.05)
         return Row(
             replicas=count,
             engines=len(fleet.engines),
             p50={name: percentile(t, 50) for name, t in times.items()},
             p99={name: percentile(t, 99) for name, t in times.items()},
-            tally=tally,
-            fallbacks=dynamo.routing.stats.fallbacks.total(),
-            reservations=dynamo.routing.client.active_reservations(),
+            tallies=tallies,
+            fallbacks={n: r.routing.stats.fallbacks.total() for n, r in kvbridge_routers.items()},
+            reservations={
+                n: r.routing.client.active_reservations() for n, r in kvbridge_routers.items()
+            },
             indexed_s=indexed_s,
         )
+
+
+# -- tokenization ------------------------------------------------------------------------------
+
+
+def tokenizer_bodies(model: str) -> dict[str, dict[str, Any]]:
+    """An 8,192-token text completion and chat request for the tiny model (one byte, one
+    token; the chat template adds ``role: `` and a newline per message and the prompt)."""
+    rng = random.Random(8192)
+    words = [
+        "".join(rng.choices(string.ascii_lowercase, k=rng.randrange(2, 9))) for _ in range(3000)
+    ]
+    text = " ".join(words)[:PROMPT_TOKENS]
+    system = "You answer briefly. "
+    chat_user = text[: PROMPT_TOKENS - len("system: \nuser: \nassistant: ") - len(system)]
+    return {
+        "completion": {"model": model, "prompt": text},
+        "chat": {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": chat_user},
+            ],
+        },
+    }
+
+
+def measure_tokenizer(iterations: int, warmup: int) -> dict[str, tuple[int, float, float]]:
+    """``{kind: (token count, p50 s, p99 s)}`` of ``VllmTokenizer.submit`` awaited from a loop,
+    as DynamoLLMRouter awaits it."""
+    from kvbridge.ray_integration.tokenize import VllmTokenizer
+
+    with tempfile.TemporaryDirectory() as directory:
+        model = Path(directory) / "tiny"
+        subprocess.run(
+            [sys.executable, str(TOOLS / "tiny_model.py"), str(model)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        config_path = model / "config.json"
+        config = json.loads(config_path.read_text())
+        config["max_position_embeddings"] = 2 * PROMPT_TOKENS  # room for an 8k prompt
+        config_path.write_text(json.dumps(config))
+        tokenizer = VllmTokenizer.from_engine_args(
+            model=str(model),
+            load_format="dummy",
+            dtype="bfloat16",
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            max_model_len=2 * PROMPT_TOKENS,
+        )
+        try:
+            tokenizer.wait_loaded(300)
+
+            async def timed(body: dict[str, Any]) -> tuple[int, list[float]]:
+                times = []
+                count = 0
+                for index in range(warmup + iterations):
+                    started = time.perf_counter()
+                    tokens = await asyncio.wrap_future(tokenizer.submit(body))
+                    elapsed = time.perf_counter() - started
+                    assert tokens is not None
+                    count = len(tokens)
+                    if index >= warmup:
+                        times.append(elapsed)
+                return count, times
+
+            out = {}
+            for kind, body in tokenizer_bodies(str(model)).items():
+                count, times = asyncio.run(timed(body))
+                out[kind] = (count, percentile(times, 50), percentile(times, 99))
+            return out
+        finally:
+            tokenizer.close()
+
+
+# -- report ------------------------------------------------------------------------------------
 
 
 def us(seconds: float) -> str:
@@ -431,32 +626,58 @@ def us(seconds: float) -> str:
 
 
 def report(row: Row) -> None:
-    tally = row.tally
-    mean = tally.overlap_blocks / tally.with_overlap if tally.with_overlap else 0.0
     print(
         f"\n{row.replicas} replicas, {row.engines} with an engine "
         f"(Dynamo indexed their prompts {row.indexed_s:.2f} s after they were served)"
     )
-    for name, label in (("pow2", "power of two choices"), ("dynamo", "DynamoKVRouter")):
-        print(f"  {label:<21} p50 {us(row.p50[name]):>10}   p99 {us(row.p99[name]):>10}")
-    print(
-        f"  DynamoKVRouter / pow2  p50 {row.p50['dynamo'] / row.p50['pow2']:>7.1f}x"
-        f"   p99 {row.p99['dynamo'] / row.p99['pow2']:>7.1f}x"
-    )
-    print(
-        f"  Dynamo decisions with overlap: {tally.with_overlap}/{tally.decisions} "
-        f"(mean {mean:.0f} blocks); repeats routed to their prompt's replica with the whole "
-        f"shared prefix: {tally.found}/{tally.expected}"
-    )
-    print(f"  fallbacks: {row.fallbacks}; active reservations at the end: {row.reservations}")
+    raw = row.p99["raw"]
+    for name, label in LABELS.items():
+        if name not in row.p50:
+            continue
+        line = f"  {label:<23} p50 {us(row.p50[name]):>10}   p99 {us(row.p99[name]):>10}"
+        if name in ("dynamo", "llm"):
+            ratio = row.p99[name] / raw
+            verdict = "met" if ratio <= TARGET else "MISSED"
+            line += f"   p99 / raw {ratio:.2f} ({verdict}: <= {TARGET})"
+        print(line)
+    for name, tally in row.tallies.items():
+        mean = tally.overlap_blocks / tally.with_overlap if tally.with_overlap else 0.0
+        extra = ""
+        if name in row.fallbacks:
+            extra = f"; fallbacks {row.fallbacks[name]}, reservations left {row.reservations[name]}"
+        print(
+            f"  {LABELS[name]}: decisions with overlap {tally.with_overlap}/{tally.decisions} "
+            f"(mean {mean:.0f} blocks); repeats on their prompt's replica with the whole shared "
+            f"prefix {tally.found}/{tally.expected}{extra}"
+        )
+
+
+def summary(rows: list[Row]) -> None:
+    names = [name for name in LABELS if name in rows[0].p50]
+    print("\ndecision latency, p50 / p99 in us; p99 against the raw call's")
+    header = f"{'replicas':>8}" + "".join(f" {LABELS[n].split()[0]:>18}" for n in names)
+    header += "".join(f" {n + '/raw':>10}" for n in names if n in ("dynamo", "llm"))
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        line = f"{row.replicas:>8}"
+        for name in names:
+            line += f" {row.p50[name] * 1e6:>8,.0f} / {row.p99[name] * 1e6:>7,.0f}"
+        for name in names:
+            if name in ("dynamo", "llm"):
+                line += f" {row.p99[name] / row.p99['raw']:>10.2f}"
+        print(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--iterations", type=int, default=500, help="timed decisions per router")
-    parser.add_argument("--warmup", type=int, default=50, help="untimed decisions per router")
+    parser.add_argument("--iterations", type=int, default=500, help="timed decisions per path")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed decisions per path")
     parser.add_argument("--seed", type=int, default=20_240_601)
+    parser.add_argument(
+        "--tokenize-iterations", type=int, default=200, help="timed tokenizations per request"
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -464,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    with_llm = serve_llm_importable()
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
@@ -478,13 +700,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"per replica count: {args.warmup} warm-up then {args.iterations} timed decisions "
-        "per router, alternating"
+        "per path, in rotating order"
     )
+    if not with_llm:
+        print(
+            "vLLM is not importable here: no DynamoLLMRouter and no tokenization row "
+            "(run with the python of tools/serve_llm/setup.sh for them)"
+        )
     started = time.perf_counter()
     if args.profile:
         profiler = cProfile.Profile()
         with ray_session() as node_id:
-            report(asyncio.run(run(args.replicas[-1], node_id, args, profiler)))
+            report(asyncio.run(run(args.replicas[-1], node_id, args, with_llm, profiler)))
         print("\ncProfile of DynamoKVRouter's timed decisions (main thread; timings inflated)")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         return 0
@@ -492,20 +719,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with ray_session() as node_id:
         for count in args.replicas:
-            rows.append(asyncio.run(run(count, node_id, args)))
+            rows.append(asyncio.run(run(count, node_id, args, with_llm)))
             report(rows[-1])
-
-    print("\ndecision latency, p50 (p99)")
-    header = f"{'replicas':>8} {'pow2':>22} {'DynamoKVRouter':>24} {'ratio':>16}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        p50, p99 = row.p50, row.p99
+    summary(rows)
+    if with_llm:
         print(
-            f"{row.replicas:>8} {us(p50['pow2']):>10} ({us(p99['pow2']):>9}) "
-            f"{us(p50['dynamo']):>11} ({us(p99['dynamo']):>10}) "
-            f"{p50['dynamo'] / p50['pow2']:>6.0f}x ({p99['dynamo'] / p99['pow2']:>4.0f}x)"
+            f"\nVllmTokenizer (DynamoLLMRouter's), text to token ids, {args.tokenize_iterations} "
+            "timed calls per request after 20 warm-up (tiny model: one byte, one token)"
         )
+        for kind, (count, p50, p99) in measure_tokenizer(args.tokenize_iterations, 20).items():
+            print(f"  {kind:<10} {count:>6,} tokens   p50 {us(p50):>10}   p99 {us(p99):>10}")
     print(f"total {time.perf_counter() - started:.1f} s")
     return 0
 
