@@ -48,6 +48,7 @@ from kvbridge.adapters.endpoints import (
 )
 from kvbridge.adapters.metrics import serve_metrics
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.validation import Report, render_text, validate_captures
 from kvbridge.adapters.watch import MissingExtra, WatchView, require_rich
@@ -683,7 +684,10 @@ def _parser() -> argparse.ArgumentParser:
     relay.add_argument("--block-size", type=_positive_int, required=True)
     relay.add_argument("--topic", default="", help="topic of the published stream")
     relay.add_argument(
-        "--buffer-steps", type=_positive_int, default=10_000, help="replay buffer, in batches"
+        "--buffer-steps",
+        type=_positive_int,
+        default=DEFAULT_BUFFER_STEPS,
+        help="replay buffer, in batches",
     )
     relay.add_argument("--duration", type=_positive_float, help="stop after S seconds")
     relay.set_defaults(run=_relay)

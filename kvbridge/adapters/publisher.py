@@ -55,8 +55,10 @@ from typing import Final, Self
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["END_SEQ", "Publisher", "ReplayServer", "should_bind"]
+__all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "Publisher", "ReplayServer", "should_bind"]
 
+DEFAULT_BUFFER_STEPS: Final = 10_000
+"""Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
 END_SEQ: Final[bytes] = b"\xff" * 8
 """Seq frame of the replay end marker: -1 as a signed 8-byte big-endian int."""
 
@@ -118,7 +120,7 @@ class Publisher:
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
-        buffer_steps: int = 10_000,
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
         replay_topic_frame: bool = True,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         bind: bool | None = None,

@@ -61,13 +61,12 @@ import zmq
 
 from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
-from kvbridge.adapters.publisher import Publisher, ReplayServer
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, ReplayServer
 from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, Subscriber
 from kvbridge.normalizers.batch import NormalizedBatch
 
 __all__ = ["Relay", "offset_endpoint"]
 
-DEFAULT_BUFFER_STEPS: Final = 10_000
 _STOP_TIMEOUT_S: Final = 5.0
 DEFAULT_HEARTBEAT_S: Final = 0.5
 """An output idle this long publishes an empty batch with the next sequence number."""

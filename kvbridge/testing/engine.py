@@ -121,12 +121,13 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 from kvbridge.adapters.dynamo import Overlap, TieredIndex
-from kvbridge.adapters.publisher import Publisher, should_bind
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, should_bind
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Source
 from kvbridge.schemas.tiers import Tier
 from kvbridge.schemas.vllm import (
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     Event,
@@ -138,9 +139,6 @@ from kvbridge.schemas.vllm import (
 )
 
 __all__ = ["BlockHash", "Completion", "SimulatedEngine", "SyncedIndex"]
-
-BlockHash = int | bytes
-"""A block hash as published: a u64, or the raw 32-byte digest with ``bytes_hashes=True``."""
 
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 """The seed of vLLM 0.29+'s NONE_HASH for sha256 when ``PYTHONHASHSEED`` is not set."""
@@ -312,7 +310,7 @@ class SimulatedEngine:
         hash_seed: bytes | str | None = None,
         bytes_hashes: bool = False,
         max_num_batched_tokens: int | None = None,
-        buffer_steps: int = 10_000,
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
         bind: bool | None = True,
     ) -> None:
         if num_blocks <= 0:
