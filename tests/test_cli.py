@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support.lowports import free_low_ports
 from support.relay import RelayProcess
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
 from kvbridge.adapters.pipeline import StreamPipeline
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.schemas.tiers import Tier
 from kvbridge.schemas.vllm import LAYOUTS
 
@@ -511,7 +511,7 @@ def test_schema_into_head_in_a_shell() -> None:
 
 
 def test_a_port_in_use_names_the_argument() -> None:
-    port = free_low_ports(1)
+    port = free_port_range(1)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen()
@@ -550,7 +550,7 @@ def test_validate_fails_on_an_empty_capture(tmp_path: Path) -> None:
 def test_connect_prefix_subscribes_to_a_remote_engine_and_reports_its_silence() -> None:
     """``--source tcp://192.0.2.1:P`` cannot be bound here (see BAD_ARGUMENTS); with
     ``connect:`` the relay connects, and says after 5 s that nothing came."""
-    port = free_low_ports(2)
+    port = free_port_range(2)
     result = kvbridge(
         "relay",
         "--source", f"connect:tcp://192.0.2.1:{port}",
@@ -572,7 +572,7 @@ def test_connect_prefix_subscribes_to_a_remote_engine_and_reports_its_silence() 
 def test_both_sides_connecting_is_reported_by_both() -> None:
     """``watch --source tcp://*:P`` connects (vLLM binds a wildcard), and so does ``replay
     --publish tcp://127.0.0.1:P`` (vLLM connects to an address): nothing can flow."""
-    port = free_low_ports(2)
+    port = free_port_range(2)
     watch = start(
         "watch", "--source", f"tcp://*:{port}", "--block-size", "4", "--duration", "6.5",
         "--interval", "3",
@@ -612,7 +612,7 @@ def test_both_sides_connecting_is_reported_by_both() -> None:
 def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path) -> None:
     """``replay --publish bind:tcp://127.0.0.1:P`` binds (vLLM's rule would connect), and
     ``record --source connect:tcp://127.0.0.1:P`` connects to it."""
-    port = free_low_ports(2)
+    port = free_port_range(2)
     out = tmp_path / "again.kvcap"
     record = start(
         "record",
@@ -634,7 +634,7 @@ def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path)
 
 def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
     """``bind:tcp://*:P`` binds where vLLM's rule would connect; the replay connects to it."""
-    port = free_low_ports(2)
+    port = free_port_range(2)
     out = tmp_path / "again.kvcap"
     record = start(
         "record",
@@ -660,7 +660,7 @@ def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path
     """Replayed into ``record``: two workers, each with its own sequence, and the block size
     kept, so that ``demo`` of the new capture finds the sample's two workers and block size
     (the prompts it prints overlaps for are the sample's own metadata, not recorded)."""
-    port = free_low_ports(2)
+    port = free_port_range(2)
     out = tmp_path / "again.kvcap"
     record = start(
         "record",
@@ -697,7 +697,7 @@ def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path
 
 
 def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:
-    port = free_low_ports(5)
+    port = free_port_range(5)
     with RelayProcess(
         [
             "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
@@ -731,7 +731,7 @@ def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:
 def test_watch_prints_columns_and_no_lag_for_a_replay() -> None:
     """Piped, ``watch`` prints the same table as on a terminal, without colours: separate
     columns, and an empty lag cell for batches recorded long ago."""
-    port = free_low_ports(2)
+    port = free_port_range(2)
     watch = start(
         "watch",
         "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
@@ -787,7 +787,7 @@ def test_a_missing_extra_is_named() -> None:
         "(or, in a clone, pip install '.[watch]')"
     ]
     assert result.returncode == 2
-    port = free_low_ports(1)
+    port = free_port_range(1)
     metrics = without(
         "prometheus_client", "record", "--source", "tcp://*:5557", "--out", "/dev/null",
         "--metrics-port", str(port),
@@ -812,7 +812,7 @@ def test_readme_installs_from_a_clone_or_a_wheel() -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_replay_waiting_for_subscribers_stops_within_a_second_of_a_signal(signum: int) -> None:
-    port = free_low_ports(2)
+    port = free_port_range(2)
     proc = start(
         "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--wait-subscribers", "30"
     )

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from support.lowports import free_low_ports
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter, Prompt, read_prompts
 from kvbridge.adapters.dynamo_compare import (
@@ -33,6 +32,7 @@ from kvbridge.adapters.dynamo_compare import (
     ResidentDiff,
     compare_captures,
 )
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.validation import Report
 from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch, encode_batch, layout_for
 from kvbridge.testing import SimulatedEngine
@@ -392,7 +392,7 @@ def test_record_keeps_prompts_in_the_header_for_the_comparison(tmp_path: Path) -
     has the prompts as token ids, and ``validate --compare-dynamo`` asks them of both sides."""
     prompts = tmp_path / "prompts.json"
     prompts.write_bytes(msgspec.json.encode(CaptureReader(SAMPLE).meta["prompts"]))
-    port = free_low_ports(2)
+    port = free_port_range(2)
     out = tmp_path / "again.kvcap"
     recorder = subprocess.Popen(
         [

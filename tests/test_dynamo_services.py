@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.lowports import free_low_ports
 from support.relay import RelayProcess, wait_tcp_peers
 
 from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
+from kvbridge.adapters.ports import free_port_range
 
 SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
 BLOCK_SIZE = 4
@@ -208,7 +208,7 @@ class SelectService(Service):
 @pytest.fixture(scope="module")
 def ports() -> Iterator[Callable[[int], int]]:
     """Hands out consecutive ports from one free range below the ephemeral range."""
-    base = free_low_ports(16)
+    base = free_port_range(16)
     given = [base]
 
     def take(count: int) -> int:
@@ -327,7 +327,7 @@ def test_through_the_relay_both_services_are_right(
 def test_dynamo_logs_are_filtered() -> None:
     """``DYN_LOG=warn`` (conftest.py): no INFO line from Dynamo's Rust core in a service's log."""
     assert os.environ.get("DYN_LOG") == "warn"
-    port = free_low_ports(1)
+    port = free_port_range(1)
     process = subprocess.Popen(
         [sys.executable, "-m", "dynamo.indexer", "--port", str(port)],
         stdout=subprocess.PIPE,

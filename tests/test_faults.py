@@ -1,6 +1,6 @@
 """Fault injection end to end: a simulated vLLM engine, a ``kvbridge relay`` subprocess and a
 real Dynamo 1.6.1 ``SelectionService`` registered on the relay's endpoints, on 127.0.0.1 ports
-below the ephemeral range (``tests/support/lowports.py``).
+below the ephemeral range (``kvbridge.adapters.ports``).
 
 Each scenario breaks something, leaves the engine idle and then requires Dynamo's
 ``overlap_scores`` for every prompt to equal the engine's true resident set (the leading blocks
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.testing import SimulatedEngine
-from tests.support.lowports import free_low_ports
 from tests.support.relay import RelayProcess, Samples, wait_tcp_peers
 from tests.support.selection import SelectionHarness
 
@@ -55,7 +55,7 @@ class Rig:
     def __init__(self, stack: ExitStack, log_dir: Path, *, engine_buffer: int = 10_000) -> None:
         self.stack = stack
         self.log_dir = log_dir
-        base = free_low_ports(5)
+        base = free_port_range(5)
         self.engine_port, self.engine_replay_port = base, base + 1
         self.publish = f"tcp://127.0.0.1:{base + 2}"
         self.replay = f"tcp://127.0.0.1:{base + 3}"
@@ -338,7 +338,7 @@ def test_ten_percent_dropped_on_each_hop(rig: Rig) -> None:
     replays), and 10% of the relay's messages never reach Dynamo (a lossy proxy in between;
     Dynamo replays from the relay)."""
     rig.start_relay()
-    proxy = _LossyProxy(rig.publish, free_low_ports(1), loss=0.1, seed=3)
+    proxy = _LossyProxy(rig.publish, free_port_range(1), loss=0.1, seed=3)
     rig.stack.callback(proxy.close)
     rig.publish, relay_publish = proxy.endpoint, rig.publish
     rig.start_dynamo()

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 import zmq
-from support.lowports import free_low_ports
 from support.relay import RelayProcess
+
+from kvbridge.adapters.ports import free_port_range
 
 FLOOD_S = 8.0
 RSS_BOUND_MB = 512
@@ -65,7 +66,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_a_flood_keeps_the_relay_bounded_and_publishing(tmp_path: Path) -> None:
-    base = free_low_ports(3 * (ENGINES + 1) + 1)
+    base = free_port_range(3 * (ENGINES + 1) + 1)
     sources = [base + i for i in range(ENGINES + 1)]  # the last one sends the 100 MB frame
     publish = base + ENGINES + 1
     replay = publish + ENGINES + 1

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import zmq
 from support.engine import chain, removed, stored, vllm_batch
-from support.lowports import free_low_ports
 
 from kvbridge import TieredIndex
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Source
 
@@ -69,7 +69,7 @@ def test_one_relay_with_1000_sources() -> None:
         ports = [int(s.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]) for s in engines]
         sources = [Source(f"tcp://*:{port}", worker_id=i) for i, port in enumerate(ports)]
         engines_only = (_threads(), _fds(), _rss_mb())
-        publish, replay = free_low_ports(SOURCES), free_low_ports(SOURCES)
+        publish, replay = free_port_range(SOURCES), free_port_range(SOURCES)
         index = TieredIndex(BS)
         started = time.monotonic()
         with Relay(

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.lowports import free_low_ports
 
 from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.pipeline import StreamPipeline
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.schemas.tiers import Tier
 
 SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
@@ -102,7 +102,7 @@ HEADERS = {
 def test_watch_shows_the_replayed_sample_on_a_terminal(
     tmux: Tmux, tmp_path: Path, width: int
 ) -> None:
-    port = free_low_ports(2)
+    port = free_port_range(2)
     log = tmp_path / "watch.log"
     watch = [
         sys.executable, "-m", "kvbridge.cli", "watch",
