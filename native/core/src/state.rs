@@ -128,19 +128,39 @@ impl Tokens {
     }
 }
 
+/// One slot's fields, together: a lookup touches one or two cache lines rather than one per
+/// field. Packed to 4-byte alignment, so that a slot takes its 36 bytes and no padding; no
+/// reference to a 64-bit field is ever taken (the compiler refuses one), fields are copied.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, packed(4))]
+struct Block {
+    engine: u64,
+    tokens_hash: u64,
+    parent: u64,
+    /// Residence bits, parent and owner bits, and the interned context.
+    meta: u32,
+    /// When the slot last became live or retired: orders the live blocks as they were
+    /// inserted, and tells the retired queue's stale entries from current ones.
+    order: u32,
+    /// Per tier: the references to the slot's canonical block, if the slot owns it.
+    refs: [u8; 4],
+}
+
+impl Block {
+    fn parent(self) -> Option<u64> {
+        (self.meta & HAS_PARENT != 0).then_some(self.parent)
+    }
+
+    /// The canonical block hash: Dynamo's sequence hash of the parent and the tokens hash.
+    fn canonical(self) -> u64 {
+        sequence_hash(self.parent(), self.tokens_hash)
+    }
+}
+
 /// The blocks of one rank, live and retired.
 #[derive(Debug)]
 pub struct Rank {
-    engine: Vec<u64>,
-    tokens_hash: Vec<u64>,
-    parent: Vec<u64>,
-    /// Residence bits, parent bit and the interned context.
-    meta: Vec<u32>,
-    /// When the slot last became live or retired: orders the live blocks as they were
-    /// inserted, and tells the retired queue's stale entries from current ones.
-    order: Vec<u32>,
-    /// Per tier: the references to the slot's canonical block, if the slot owns it.
-    refs: Vec<[u8; 4]>,
+    blocks: Vec<Block>,
     tokens: Tokens,
     free: Vec<Slot>,
     by_engine: HashTable<Slot>,
@@ -163,12 +183,7 @@ pub struct Rank {
 impl Rank {
     pub fn new(block_size: usize) -> Self {
         Rank {
-            engine: Vec::new(),
-            tokens_hash: Vec::new(),
-            parent: Vec::new(),
-            meta: Vec::new(),
-            order: Vec::new(),
-            refs: Vec::new(),
+            blocks: Vec::new(),
             tokens: Tokens::new(block_size),
             free: Vec::new(),
             by_engine: HashTable::new(),
@@ -188,24 +203,24 @@ impl Rank {
     // -- fields -------------------------------------------------------------------------------
 
     pub fn engine(&self, slot: Slot) -> u64 {
-        self.engine[slot as usize]
+        self.blocks[slot as usize].engine
     }
 
     pub fn tokens_hash(&self, slot: Slot) -> u64 {
-        self.tokens_hash[slot as usize]
+        self.blocks[slot as usize].tokens_hash
     }
 
     pub fn parent(&self, slot: Slot) -> Option<u64> {
-        (self.meta[slot as usize] & HAS_PARENT != 0).then(|| self.parent[slot as usize])
+        self.blocks[slot as usize].parent()
     }
 
     /// The canonical block hash: Dynamo's sequence hash of the parent and the tokens hash.
     pub fn canonical(&self, slot: Slot) -> u64 {
-        canonical_at(&self.meta, &self.parent, &self.tokens_hash, slot)
+        self.blocks[slot as usize].canonical()
     }
 
     pub fn context(&self, slot: Slot) -> u32 {
-        self.meta[slot as usize] & CONTEXT_MASK
+        self.blocks[slot as usize].meta & CONTEXT_MASK
     }
 
     /// Appends the block's tokens to `out`.
@@ -214,11 +229,11 @@ impl Rank {
     }
 
     fn is_live(&self, slot: Slot) -> bool {
-        self.meta[slot as usize] & LIVE != 0
+        self.blocks[slot as usize].meta & LIVE != 0
     }
 
     fn is_retired(&self, slot: Slot) -> bool {
-        self.meta[slot as usize] & RETIRED != 0
+        self.blocks[slot as usize].meta & RETIRED != 0
     }
 
     fn next(&mut self) -> u32 {
@@ -233,9 +248,11 @@ impl Rank {
 
     /// The block of an engine hash, live or retired, left where it is.
     pub fn lookup(&self, engine: u64) -> Option<Slot> {
-        let engines = &self.engine;
+        let blocks = &self.blocks;
         self.by_engine
-            .find(hash_u64(engine), |&slot| engines[slot as usize] == engine)
+            .find(hash_u64(engine), |&slot| {
+                blocks[slot as usize].engine == engine
+            })
             .copied()
     }
 
@@ -249,9 +266,9 @@ impl Rank {
         let slot = self.lookup(engine)?;
         if self.is_retired(slot) {
             let order = self.next();
-            let meta = &mut self.meta[slot as usize];
+            let meta = &mut self.blocks[slot as usize].meta;
             *meta = (*meta & !RETIRED) | LIVE;
-            self.order[slot as usize] = order;
+            self.blocks[slot as usize].order = order;
             self.retired_count -= 1;
             self.live += 1;
         }
@@ -273,28 +290,31 @@ impl Rank {
         let slot = match self.free.pop() {
             Some(slot) => {
                 let index = slot as usize;
-                self.engine[index] = engine;
-                self.tokens_hash[index] = tokens_hash;
-                self.parent[index] = parent.unwrap_or(0);
-                self.meta[index] = meta;
-                self.order[index] = order;
-                self.refs[index] = [0; 4];
+                self.blocks[index].engine = engine;
+                self.blocks[index].tokens_hash = tokens_hash;
+                self.blocks[index].parent = parent.unwrap_or(0);
+                self.blocks[index].meta = meta;
+                self.blocks[index].order = order;
+                self.blocks[index].refs = [0; 4];
                 slot
             }
             None => {
-                self.engine.push(engine);
-                self.tokens_hash.push(tokens_hash);
-                self.parent.push(parent.unwrap_or(0));
-                self.meta.push(meta);
-                self.order.push(order);
-                self.refs.push([0; 4]);
-                (self.engine.len() - 1) as Slot
+                self.blocks.push(Block {
+                    engine,
+                    tokens_hash,
+                    parent: parent.unwrap_or(0),
+                    meta,
+                    order,
+                    refs: [0; 4],
+                });
+                (self.blocks.len() - 1) as Slot
             }
         };
         self.tokens.put(slot, tokens);
-        let engines = &self.engine;
-        self.by_engine
-            .insert_unique(hash_u64(engine), slot, |&s| hash_u64(engines[s as usize]));
+        let blocks = &self.blocks;
+        self.by_engine.insert_unique(hash_u64(engine), slot, |&s| {
+            hash_u64(blocks[s as usize].engine)
+        });
         self.live += 1;
         slot
     }
@@ -314,20 +334,21 @@ impl Rank {
     /// holds it. Candidates are compared by parent and tokens hash, whose sequence hash the
     /// canonical hash is, so no hash is recomputed.
     pub fn owner_of(&self, slot: Slot, canonical: u64) -> Option<Slot> {
-        if self.meta[slot as usize] & OWNER != 0 {
+        if self.blocks[slot as usize].meta & OWNER != 0 {
             return Some(slot); // the index's entry for this canonical block is the slot itself
         }
-        let (tokens_hash, parent) = (self.tokens_hash[slot as usize], self.parent(slot));
+        let (tokens_hash, parent) = (self.blocks[slot as usize].tokens_hash, self.parent(slot));
         self.by_canonical
             .find(hash_u64(canonical), |&other| {
-                self.tokens_hash[other as usize] == tokens_hash && self.parent(other) == parent
+                self.blocks[other as usize].tokens_hash == tokens_hash
+                    && self.parent(other) == parent
             })
             .copied()
     }
 
     /// The references on `tier` that `owner` (from [`Rank::owner_of`]) holds.
     pub fn count(&self, owner: Slot, tier: Tier) -> u32 {
-        match self.refs[owner as usize][tier as usize] {
+        match self.blocks[owner as usize].refs[tier as usize] {
             SPILLED => self.spill[&(owner, tier as u8)],
             small => u32::from(small),
         }
@@ -336,39 +357,39 @@ impl Rank {
     fn set_count(&mut self, owner: Slot, tier: Tier, count: u32) {
         let key = (owner, tier as u8);
         if count >= u32::from(SPILLED) {
-            self.refs[owner as usize][tier as usize] = SPILLED;
+            self.blocks[owner as usize].refs[tier as usize] = SPILLED;
             self.spill.insert(key, count);
         } else {
-            if self.refs[owner as usize][tier as usize] == SPILLED {
+            if self.blocks[owner as usize].refs[tier as usize] == SPILLED {
                 self.spill.remove(&key);
             }
-            self.refs[owner as usize][tier as usize] = count as u8;
+            self.blocks[owner as usize].refs[tier as usize] = count as u8;
         }
     }
 
     /// Counts one more reference to the block's canonical block (`canonical`) on `tier`;
     /// returns the count before.
     pub fn add_ref(&mut self, slot: Slot, canonical: u64, tier: Tier) -> u32 {
-        let owner = if self.meta[slot as usize] & OWNER != 0 {
+        let owner = if self.blocks[slot as usize].meta & OWNER != 0 {
             slot
         } else {
             // One probe finds the owner or the place for a new one.
             let index = slot as usize;
-            let (tokens_hash, parent, meta) = (&self.tokens_hash, &self.parent, &self.meta);
-            let (hash, parent_of) = (tokens_hash[index], parent_at(meta, parent, index));
+            let blocks = &self.blocks;
+            let (hash, parent_of) = (blocks[index].tokens_hash, blocks[index].parent());
             let entry = self.by_canonical.entry(
                 hash_u64(canonical),
                 |&other| {
-                    tokens_hash[other as usize] == hash
-                        && parent_at(meta, parent, other as usize) == parent_of
+                    blocks[other as usize].tokens_hash == hash
+                        && blocks[other as usize].parent() == parent_of
                 },
-                |&s| hash_u64(canonical_at(meta, parent, tokens_hash, s)),
+                |&s| hash_u64(blocks[s as usize].canonical()),
             );
             match entry {
                 hashbrown::hash_table::Entry::Occupied(entry) => *entry.get(),
                 hashbrown::hash_table::Entry::Vacant(entry) => {
                     entry.insert(slot);
-                    self.meta[index] |= OWNER;
+                    self.blocks[index].meta |= OWNER;
                     slot
                 }
             }
@@ -394,13 +415,13 @@ impl Rank {
         self.set_count(owner, tier, count);
         if count == 0 {
             self.resident[tier as usize] -= 1;
-            if self.refs[owner as usize] == [0; 4] {
+            if self.blocks[owner as usize].refs == [0; 4] {
                 let found = self
                     .by_canonical
                     .find_entry(hash_u64(canonical), |&slot| slot == owner);
                 if let Ok(entry) = found {
                     entry.remove();
-                    self.meta[owner as usize] &= !OWNER;
+                    self.blocks[owner as usize].meta &= !OWNER;
                 }
             }
         }
@@ -408,7 +429,7 @@ impl Rank {
 
     /// Whether `owner` (from [`Rank::owner_of`]) holds references on any tier.
     pub fn holds_refs(&self, owner: Slot) -> bool {
-        self.refs[owner as usize] != [0; 4]
+        self.blocks[owner as usize].refs != [0; 4]
     }
 
     /// Whether a tier holds any block of the rank.
@@ -423,11 +444,9 @@ impl Rank {
 
     /// Forgets every reference count (a clear).
     pub fn clear_refs(&mut self) {
-        for refs in &mut self.refs {
-            *refs = [0; 4];
-        }
-        for meta in &mut self.meta {
-            *meta &= !OWNER;
+        for block in &mut self.blocks {
+            block.refs = [0; 4];
+            block.meta &= !OWNER;
         }
         self.spill.clear();
         self.by_canonical.clear();
@@ -450,9 +469,9 @@ impl Rank {
 
     /// The `count` oldest live blocks, oldest first.
     pub fn oldest_live(&self, count: usize) -> Vec<Slot> {
-        let mut live: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+        let mut live: Vec<(u32, Slot)> = (0..self.blocks.len() as Slot)
             .filter(|&slot| self.is_live(slot))
-            .map(|slot| (self.order[slot as usize], slot))
+            .map(|slot| (self.blocks[slot as usize].order, slot))
             .collect();
         if count < live.len() {
             live.select_nth_unstable(count);
@@ -464,7 +483,7 @@ impl Rank {
 
     /// The contexts the rank's live blocks use.
     pub fn contexts_in_use(&self, used: &mut [bool]) {
-        for &meta in &self.meta {
+        for meta in self.blocks.iter().map(|block| block.meta) {
             if meta & LIVE != 0 {
                 used[(meta & CONTEXT_MASK) as usize] = true;
             }
@@ -473,8 +492,8 @@ impl Rank {
 
     /// Forgets the retired blocks whose context is not `used` (the context is going away).
     pub fn forget_retired_unless(&mut self, used: &[bool]) {
-        for slot in 0..self.meta.len() as Slot {
-            let meta = self.meta[slot as usize];
+        for slot in 0..self.blocks.len() as Slot {
+            let meta = self.blocks[slot as usize].meta;
             if meta & RETIRED != 0 && !used[(meta & CONTEXT_MASK) as usize] {
                 self.forget(slot);
             }
@@ -483,7 +502,7 @@ impl Rank {
 
     /// Renames the blocks' contexts after the context table was compacted.
     pub fn remap_contexts(&mut self, remap: &[u32]) {
-        for meta in &mut self.meta {
+        for meta in self.blocks.iter_mut().map(|block| &mut block.meta) {
             if *meta & (LIVE | RETIRED) != 0 {
                 let context = remap[(*meta & CONTEXT_MASK) as usize];
                 *meta = (*meta & !CONTEXT_MASK) | context;
@@ -530,7 +549,13 @@ impl Rank {
         let mut ordered: Vec<(u32, u32, Slot)> = owners
             .iter()
             .enumerate()
-            .map(|(at, &slot)| (depth[at].unwrap_or(0), self.order[slot as usize], slot))
+            .map(|(at, &slot)| {
+                (
+                    depth[at].unwrap_or(0),
+                    self.blocks[slot as usize].order,
+                    slot,
+                )
+            })
             .collect();
         ordered.sort_unstable();
         ordered.into_iter().map(|(_, _, slot)| slot).collect()
@@ -541,8 +566,8 @@ impl Rank {
     /// Remembers every tracked block as an anchor (see [`Rank::anchor`]).
     pub fn set_anchors(&mut self) {
         self.anchors.clear();
-        for slot in 0..self.meta.len() as Slot {
-            if self.meta[slot as usize] & (LIVE | RETIRED) != 0 {
+        for slot in 0..self.blocks.len() as Slot {
+            if self.blocks[slot as usize].meta & (LIVE | RETIRED) != 0 {
                 let canonical = self.canonical(slot);
                 self.anchors.insert(canonical, slot);
             }
@@ -558,13 +583,13 @@ impl Rank {
     /// still tracked.
     pub fn anchor(&mut self, canonical: u64) -> Option<Slot> {
         let slot = self.anchors.remove(&canonical)?;
-        let tracked = self.meta[slot as usize] & (LIVE | RETIRED) != 0;
+        let tracked = self.blocks[slot as usize].meta & (LIVE | RETIRED) != 0;
         (tracked && self.canonical(slot) == canonical).then_some(slot)
     }
 
     /// Revives a slot taken as an anchor (a no-op for a live one).
     pub fn revive_slot(&mut self, slot: Slot) {
-        let engine = self.engine[slot as usize];
+        let engine = self.blocks[slot as usize].engine;
         self.revive(engine);
     }
 
@@ -575,9 +600,9 @@ impl Rank {
         for &slot in slots {
             debug_assert!(self.is_live(slot));
             let order = self.next();
-            let meta = &mut self.meta[slot as usize];
+            let meta = &mut self.blocks[slot as usize].meta;
             *meta = (*meta & !LIVE) | RETIRED;
-            self.order[slot as usize] = order;
+            self.blocks[slot as usize].order = order;
             self.retired.push_back((slot, order));
             self.retired_count += 1;
             self.live -= 1;
@@ -586,7 +611,7 @@ impl Rank {
             let Some((slot, order)) = self.retired.pop_front() else {
                 break;
             };
-            if !self.is_retired(slot) || self.order[slot as usize] != order {
+            if !self.is_retired(slot) || self.blocks[slot as usize].order != order {
                 continue; // revived since, or retired again later
             }
             self.forget(slot);
@@ -598,20 +623,20 @@ impl Rank {
     }
 
     fn forget(&mut self, slot: Slot) {
-        let engine = self.engine[slot as usize];
+        let engine = self.blocks[slot as usize].engine;
         if let Ok(entry) = self.by_engine.find_entry(hash_u64(engine), |&s| s == slot) {
             entry.remove();
         }
-        self.meta[slot as usize] = 0;
+        self.blocks[slot as usize].meta = 0;
         self.free.push(slot);
         self.retired_count -= 1;
     }
 
     /// The retired slots, oldest first, without stale entries.
     fn retired_queue(&self) -> VecDeque<(Slot, u32)> {
-        let mut queue: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+        let mut queue: Vec<(u32, Slot)> = (0..self.blocks.len() as Slot)
             .filter(|&slot| self.is_retired(slot))
-            .map(|slot| (self.order[slot as usize], slot))
+            .map(|slot| (self.blocks[slot as usize].order, slot))
             .collect();
         queue.sort_unstable();
         queue
@@ -622,9 +647,9 @@ impl Rank {
 
     /// Every live block, oldest first.
     pub fn live_slots(&self) -> Vec<Slot> {
-        let mut live: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
+        let mut live: Vec<(u32, Slot)> = (0..self.blocks.len() as Slot)
             .filter(|&slot| self.is_live(slot))
-            .map(|slot| (self.order[slot as usize], slot))
+            .map(|slot| (self.blocks[slot as usize].order, slot))
             .collect();
         live.sort_unstable();
         live.into_iter().map(|(_, slot)| slot).collect()
@@ -632,13 +657,13 @@ impl Rank {
 
     /// Renumbers the orders from 1 when the counter would wrap, keeping their sequence.
     fn renumber(&mut self) {
-        let mut used: Vec<(u32, Slot)> = (0..self.meta.len() as Slot)
-            .filter(|&slot| self.meta[slot as usize] & (LIVE | RETIRED) != 0)
-            .map(|slot| (self.order[slot as usize], slot))
+        let mut used: Vec<(u32, Slot)> = (0..self.blocks.len() as Slot)
+            .filter(|&slot| self.blocks[slot as usize].meta & (LIVE | RETIRED) != 0)
+            .map(|slot| (self.blocks[slot as usize].order, slot))
             .collect();
         used.sort_unstable();
         for (order, (_, slot)) in used.iter().enumerate() {
-            self.order[*slot as usize] = order as u32 + 1;
+            self.blocks[*slot as usize].order = order as u32 + 1;
         }
         self.next_order = used.len() as u32;
         self.retired = self.retired_queue();
@@ -647,12 +672,12 @@ impl Rank {
     /// Moves the blocks down over the free slots once most slots are free, so that the state
     /// shrinks back after a mass eviction.
     fn compact_if_sparse(&mut self) {
-        let slots = self.meta.len();
+        let slots = self.blocks.len();
         if slots < 4096 || self.free.len() * 2 < slots {
             return;
         }
         let keep: Vec<Slot> = (0..slots as Slot)
-            .filter(|&slot| self.meta[slot as usize] & (LIVE | RETIRED) != 0)
+            .filter(|&slot| self.blocks[slot as usize].meta & (LIVE | RETIRED) != 0)
             .collect();
         let mut remap = vec![Slot::MAX; slots];
         let mut tokens = Tokens {
@@ -676,21 +701,16 @@ impl Rank {
         fn pick<T: Copy>(values: &[T], keep: &[Slot]) -> Vec<T> {
             keep.iter().map(|&slot| values[slot as usize]).collect()
         }
-        self.engine = pick(&self.engine, &keep);
-        self.tokens_hash = pick(&self.tokens_hash, &keep);
-        self.parent = pick(&self.parent, &keep);
-        self.meta = pick(&self.meta, &keep);
-        self.order = pick(&self.order, &keep);
-        self.refs = pick(&self.refs, &keep);
+        self.blocks = pick(&self.blocks, &keep);
         self.tokens = tokens;
         self.spill = spill;
         self.free = Vec::new();
         let mut by_engine = HashTable::with_capacity(keep.len());
         let mut by_canonical = HashTable::with_capacity(self.by_canonical.len());
         for slot in 0..keep.len() as Slot {
-            let engines = &self.engine;
-            by_engine.insert_unique(hash_u64(engines[slot as usize]), slot, |&s| {
-                hash_u64(engines[s as usize])
+            let blocks = &self.blocks;
+            by_engine.insert_unique(hash_u64(blocks[slot as usize].engine), slot, |&s| {
+                hash_u64(blocks[s as usize].engine)
             });
         }
         for &old in self.by_canonical.iter() {
@@ -726,12 +746,7 @@ impl Rank {
 
     /// Bytes held, by the allocations' capacities.
     pub fn heap_bytes(&self) -> usize {
-        self.engine.capacity() * 8
-            + self.tokens_hash.capacity() * 8
-            + self.parent.capacity() * 8
-            + self.meta.capacity() * 4
-            + self.order.capacity() * 4
-            + self.refs.capacity() * 4
+        self.blocks.capacity() * std::mem::size_of::<Block>()
             + self.tokens.bytes.capacity()
             + self.free.capacity() * 4
             + table_bytes(self.by_engine.capacity(), 4)
@@ -740,15 +755,6 @@ impl Rank {
             + self.retired.capacity() * 8
             + table_bytes(self.cleared.capacity(), 8)
     }
-}
-
-fn canonical_at(meta: &[u32], parent: &[u64], tokens_hash: &[u64], slot: Slot) -> u64 {
-    let index = slot as usize;
-    sequence_hash(parent_at(meta, parent, index), tokens_hash[index])
-}
-
-fn parent_at(meta: &[u32], parent: &[u64], index: usize) -> Option<u64> {
-    (meta[index] & HAS_PARENT != 0).then(|| parent[index])
 }
 
 /// A hashbrown table's bytes: one control byte per bucket plus the entries, with buckets a
