@@ -1,192 +1,33 @@
-"""vLLM's KV-cache event wire format, for every release that publishes it (0.9.0 through 0.33.0).
-
-vLLM has shipped twelve distinct layouts: positional arrays up to 0.23 (a field appended every
-few releases) and tagged maps from 0.24 (defaulted fields left out). Rather than one decoder per
-release, the events are typed once with every field ever shipped, and the per-release
-differences live in one table, :data:`LAYOUTS`, which the decoder, the encoder, the fixtures and
-the JSON Schema export all read.
+"""Decoding vLLM payloads into the typed events: :func:`decode_batch`.
 
 Decoding is tolerant but never guesses: unknown trailing positions and unknown map keys are
 ignored and counted, while an unknown event tag, a wrong type, a value out of its range, a
 ``BlockStored`` whose tokens cannot cover its hashes, malformed msgpack or arrays and maps nested
-deeper than :data:`MAX_NESTING` raise :class:`SchemaError` (naming the event index and the field
-where they are known). :func:`decode_batch` raises nothing else for any payload.
+deeper than :data:`~kvbridge.schemas.vllm.types.MAX_NESTING` raise :class:`SchemaError` (naming
+the event index and the field where they are known). :func:`decode_batch` raises nothing else
+for any payload.
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Sequence
-from typing import Annotated, Any, Final, Literal, TypeAlias
+from typing import Any, Final
 
 import msgspec
 
 from kvbridge.schemas.errors import SchemaError
-
-__all__ = [
-    "LAYOUTS",
-    "MAX_NESTING",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "Event",
-    "Layout",
-    "VllmBatch",
-    "decode_batch",
-    "encode_batch",
-    "layout_for",
-    "layout_types",
-]
-
-BlockHash: TypeAlias = int | bytes
-"""A block hash as vLLM sends it: an int (signed before 0.10.2) or the raw digest bytes."""
-
-U32: TypeAlias = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-"""An unsigned 32-bit integer: token ids, block sizes, KV-cache group indices and dp ranks
-(Dynamo keeps token ids and dp ranks as u32)."""
-TokenId: TypeAlias = U32
-
-MAX_NESTING: Final = 64
-"""The deepest nesting of arrays and maps a payload may have, the batch array being level 1.
-vLLM's payloads nest at most 6 levels (an extra key's ``(identifier, offset)`` pair inside a
-block's extra keys); deeper payloads raise :class:`SchemaError` before msgspec recurses into
-them."""
-
-
-class _WireEvent(msgspec.Struct, tag_field="type"):
-    """Base of the event types.
-
-    Decoded events are instances of private wire variants (array or map, strict or tolerant) of
-    the public types, so equality compares tag and fields rather than the exact class.
-    """
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _WireEvent):
-            return NotImplemented
-        return type(self).__struct_config__.tag == type(other).__struct_config__.tag and (
-            msgspec.structs.astuple(self) == msgspec.structs.astuple(other)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class BlockStored(_WireEvent, tag="BlockStored"):
-    """Full blocks newly cached by the engine or one of its offload tiers."""
-
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[TokenId]
-    block_size: U32
-    lora_id: int | None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[list[Any] | None] | None = None
-    group_idx: U32 | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[TokenId]] | None = None
-
-    @property
-    def is_placeholder(self) -> bool:
-        """An offload-tier store that names a chunk by hash only, without tokens or parent."""
-        return not self.token_ids
-
-
-class BlockRemoved(_WireEvent, tag="BlockRemoved"):
-    """Blocks that left one medium."""
-
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: U32 | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_WireEvent, tag="AllBlocksCleared"):
-    """The engine's prefix cache was reset. It carries no medium."""
-
-
-Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class VllmBatch(msgspec.Struct):
-    """One decoded ZMQ payload: the events of one engine step."""
-
-    ts: float
-    events: list[Event]
-    data_parallel_rank: U32 | None = None
-    unknown_fields: int = 0
-    """Unknown trailing array positions plus unknown map keys that were ignored."""
-
-
-class Layout(msgspec.Struct, frozen=True):
-    """The wire layout shared by a range of vLLM releases."""
-
-    first: str
-    last: str
-    encoding: Literal["array", "map"]
-    batch_fields: int
-    stored_fields: int
-    removed_fields: int
-
-    @property
-    def releases(self) -> str:
-        return self.first if self.first == self.last else f"{self.first}-{self.last}"
-
-    @property
-    def stored(self) -> tuple[str, ...]:
-        return STORED_FIELDS[: self.stored_fields]
-
-    @property
-    def removed(self) -> tuple[str, ...]:
-        return REMOVED_FIELDS[: self.removed_fields]
-
-
-STORED_FIELDS: Final = tuple(BlockStored.__struct_fields__)
-REMOVED_FIELDS: Final = tuple(BlockRemoved.__struct_fields__)
-_STORED_ALWAYS_SENT: Final = 7
-"""In the map era the fields without a default (up to ``lora_name``) are sent even when nil."""
-_REMOVED_ALWAYS_SENT: Final = 2
-
-LAYOUTS: Final[tuple[Layout, ...]] = (
-    Layout("0.9.0", "0.9.0.1", "array", 2, 5, 1),
-    Layout("0.9.1", "0.10.1.1", "array", 3, 5, 1),
-    Layout("0.10.2", "0.13.0", "array", 3, 6, 2),  # + medium
-    Layout("0.14.0", "0.16.0", "array", 3, 7, 2),  # + lora_name
-    Layout("0.17.0", "0.19.1", "array", 3, 8, 2),  # + extra_keys
-    Layout("0.20.0", "0.21.0", "array", 3, 9, 3),  # + group_idx
-    Layout("0.22.0", "0.23.x", "array", 3, 11, 3),  # + kv_cache_spec_kind, _sliding_window
-    Layout("0.24.0", "0.25.1", "map", 3, 11, 3),  # events become tagged maps
-    Layout("0.26.0", "0.28.x", "map", 3, 12, 4),  # + locality
-    Layout("0.29.0", "0.29.0", "map", 3, 13, 5),  # + ownership
-    Layout("0.30.0", "0.32.0", "map", 3, 14, 5),  # + session_id
-    Layout("0.33.0", "0.33.0", "map", 3, 15, 5),  # + lookahead_token_ids
+from kvbridge.schemas.vllm.layouts import LAYOUTS, REMOVED_FIELDS, STORED_FIELDS
+from kvbridge.schemas.vllm.types import (
+    MAX_NESTING,
+    U32,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    VllmBatch,
 )
-"""Every distinct layout, oldest first. Each adds fields at the end of the previous one."""
 
-
-_RELEASE = re.compile(r"^v?(\d+(?:\.\d+)*)")
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    match = _RELEASE.match(version.strip())
-    if match is None:
-        raise ValueError(f"not a vLLM release: {version!r}")
-    return tuple(int(part) for part in match[1].split("."))
-
-
-def layout_for(release: str) -> Layout:
-    """The layout a vLLM release publishes: that of the newest table row it is not older than
-    (``"0.21.0"``, ``"v0.25.2"``, ``"0.9.0rc1"``; releases past the table get the newest)."""
-    key = _version_key(release)
-    for layout in reversed(LAYOUTS):
-        if key >= _version_key(layout.first):
-            return layout
-    raise ValueError(f"vLLM {release} publishes no KV events (they start at 0.9.0)")
+__all__ = ["decode_batch"]
 
 
 # Wire variants of the public event types: strict ones for the fast path, tolerant ones (unknown
@@ -604,51 +445,3 @@ def _decode_batch_by_event(payload: bytes | memoryview) -> VllmBatch:
         events.append(event)
         unknown += extra
     return VllmBatch(wire.ts, events, wire.data_parallel_rank, unknown)
-
-
-@functools.cache
-def layout_types(layout: Layout) -> dict[str, type[msgspec.Struct]]:
-    """The event structs of one layout, declared as that release declares them (same fields,
-    order, defaults and encoding), so that msgspec writes the same bytes (map headers and
-    omitted defaults included) and exports that release's JSON Schema."""
-    types: dict[str, type[msgspec.Struct]] = {}
-    for base, count, required in (
-        (BlockStored, layout.stored_fields, _STORED_ALWAYS_SENT),
-        (BlockRemoved, layout.removed_fields, _REMOVED_ALWAYS_SENT),
-        (AllBlocksCleared, 0, 0),
-    ):
-        fields = [
-            (field.name, field.type) if position < required else (field.name, field.type, None)
-            for position, field in enumerate(msgspec.structs.fields(base)[:count])
-        ]
-        tag = base.__name__
-        types[tag] = msgspec.defstruct(
-            tag,
-            fields,
-            tag=tag,
-            tag_field="type",
-            array_like=layout.encoding == "array",
-            omit_defaults=True,
-            module=f"vllm_{layout.first.replace('.', '_')}",
-        )
-    return types
-
-
-def encode_batch(batch: VllmBatch | Sequence[Event], layout: Layout, *, ts: float = 0.0) -> bytes:
-    """Encode events exactly as the releases of ``layout`` put them on the wire.
-
-    Fields the layout does not have are left out, as that release would.
-    """
-    if isinstance(batch, VllmBatch):
-        ts, events, rank = batch.ts, batch.events, batch.data_parallel_rank
-    else:
-        events, rank = list(batch), None
-    types = layout_types(layout)
-    wire_events = []
-    for event in events:
-        wire_type = types[type(event).__struct_config__.tag]  # type: ignore[index]
-        # A layout's fields are the leading fields of the event type.
-        fields = msgspec.structs.astuple(event)[: len(wire_type.__struct_fields__)]
-        wire_events.append(wire_type(*fields))
-    wire: list[Any] = [ts, wire_events, rank]
-    return msgspec.msgpack.encode(wire[: layout.batch_fields])

@@ -1,0 +1,60 @@
+"""vLLM's KV-cache event wire format, for every release that publishes it (0.9.0 through 0.33.0).
+
+vLLM has shipped twelve distinct layouts: positional arrays up to 0.23 (a field appended every
+few releases) and tagged maps from 0.24 (defaulted fields left out). Rather than one decoder per
+release, the events are typed once with every field ever shipped, and the per-release
+differences live in one table, :data:`LAYOUTS`, which the decoder, the encoder, the fixtures and
+the JSON Schema export all read.
+
+Decoding is tolerant but never guesses: unknown trailing positions and unknown map keys are
+ignored and counted, while an unknown event tag, a wrong type, a value out of its range, a
+``BlockStored`` whose tokens cannot cover its hashes, malformed msgpack or arrays and maps nested
+deeper than :data:`MAX_NESTING` raise :class:`SchemaError` (naming the event index and the field
+where they are known). :func:`decode_batch` raises nothing else for any payload.
+
+The package's modules each have one job: :mod:`~kvbridge.schemas.vllm.types` (the event types),
+:mod:`~kvbridge.schemas.vllm.layouts` (the per-release table), :mod:`~kvbridge.schemas.vllm.decode`
+and :mod:`~kvbridge.schemas.vllm.encode`.
+"""
+
+from kvbridge.schemas.vllm.decode import decode_batch
+from kvbridge.schemas.vllm.encode import encode_batch
+from kvbridge.schemas.vllm.layouts import (
+    LAYOUTS,
+    REMOVED_FIELDS,
+    STORED_FIELDS,
+    Layout,
+    layout_for,
+    layout_types,
+)
+from kvbridge.schemas.vllm.types import (
+    MAX_NESTING,
+    U32,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    TokenId,
+    VllmBatch,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "MAX_NESTING",
+    "REMOVED_FIELDS",
+    "STORED_FIELDS",
+    "U32",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "Layout",
+    "TokenId",
+    "VllmBatch",
+    "decode_batch",
+    "encode_batch",
+    "layout_for",
+    "layout_types",
+]
