@@ -999,6 +999,7 @@ mod fast {
             return false;
         }
         match a.len() {
+            0..=3 => a.iter().zip(b).all(|(x, y)| x == y),
             // The first and the last four (eight) bytes, overlapping, cover up to 8 (16).
             4..=7 => {
                 let half = |bytes: &[u8], at: usize| {
@@ -1188,10 +1189,12 @@ mod fast {
             return Some(None);
         }
         let bytes = reader.str_bytes()?;
-        if let Some(common) = COMMON
-            .into_iter()
-            .find(|known| same(known.as_bytes(), bytes))
-        {
+        let common = match bytes.len() {
+            3 => &COMMON[..2],
+            14 => &COMMON[2..],
+            _ => &[],
+        };
+        if let Some(&common) = common.iter().find(|known| same(known.as_bytes(), bytes)) {
             return Some(Some(common));
         }
         std::str::from_utf8(bytes).ok().map(Some)

@@ -36,9 +36,9 @@ pub fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
 /// Tokens as consecutive little-endian u32, the byte form Dynamo hashes.
 pub fn pack_tokens(tokens: &[u32], out: &mut Vec<u8>) {
     out.clear();
-    out.reserve(tokens.len() * 4);
-    for token in tokens {
-        out.extend_from_slice(&token.to_le_bytes());
+    out.resize(tokens.len() * 4, 0);
+    for (place, token) in out.chunks_exact_mut(4).zip(tokens) {
+        place.copy_from_slice(&token.to_le_bytes());
     }
 }
 
