@@ -1,0 +1,127 @@
+"""The recorded streams to compare: read from captures, each in its engine's order.
+
+The captures are one fleet: a worker id belongs to one capture, and each capture's streams share
+its block size (given, in its header, or of its first store with tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from kvbridge.adapters.capture import CaptureReader, FrameRecord, Prompt
+from kvbridge.adapters.pipeline import record_source
+from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
+
+__all__ = ["Stream", "decoded", "first_block_size", "load_streams"]
+
+
+class Stream(msgspec.Struct):
+    """One recorded stream, and the capture it comes from."""
+
+    capture: str
+    worker_id: int
+    block_size: int
+    records: list[FrameRecord]
+
+
+def first_block_size(batch: VllmBatch) -> int | None:
+    """The block size of the batch's first store with tokens (placeholders have none)."""
+    for event in batch.events:
+        if isinstance(event, BlockStored) and event.token_ids and event.block_size:
+            return event.block_size
+    return None
+
+
+def decoded(record: FrameRecord) -> VllmBatch | None:
+    """The record's batch, or ``None`` for a frame vLLM's shape or schema does not allow."""
+    if record.seq is None:
+        return None
+    try:
+        return decode_batch(record.frames[2])
+    except SchemaError:
+        return None
+
+
+def _records_block_size(records: Iterable[FrameRecord]) -> int | None:
+    for record in records:
+        batch = decoded(record)
+        size = None if batch is None else first_block_size(batch)
+        if size:
+            return size
+    return None
+
+
+def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]]:
+    """A capture's streams, each with the capture's block size (given, in its header, or of
+    its first store with tokens), and the prompts its header carries."""
+    reader = CaptureReader(path)
+    records = list(reader)
+    size = block_size or reader.meta.get("block_size") or _records_block_size(records) or 0
+    if records and not size:
+        raise ValueError(f"{path}: no store with tokens tells the block size: give --block-size")
+    streams: dict[str, Stream] = {}
+    for record in records:
+        source = record_source(record)
+        stream = streams.get(source.endpoint)
+        if stream is None:
+            stream = streams[source.endpoint] = Stream(path, record.worker_id, size, [])
+        stream.records.append(record)
+    for stream in streams.values():
+        stream.records = _engine_order(stream.records)
+    return list(streams.values()), reader.prompts
+
+
+def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
+    """A stream's records in the order its engine published them.
+
+    A batch the recorder recovered through the replay socket (stream ``replay:...``) was
+    received after the live batch that showed the gap; sent in that order, Dynamo would drop
+    it (a listener ignores a seq it has passed) where a listener with a replay endpoint would
+    have fetched it. So each goes back among the live ones by its seq, within the run since the
+    engine last restarted (a live seq going back). A record without a seq stays after the one
+    before it.
+    """
+    run, last = 0, -1
+    keyed = []
+    for position, record in enumerate(records):
+        seq, live = record.seq, not record.stream.startswith("replay:")
+        if live and seq is not None:
+            if seq < last:
+                run += 1
+            last = seq
+        keyed.append(((run, last if seq is None else seq, position), record))
+    keyed.sort(key=lambda item: item[0])
+    return [record for _, record in keyed]
+
+
+def _check_workers(streams: Sequence[Stream]) -> None:
+    """A worker id belongs to one capture: the services see every capture as one fleet."""
+    seen: dict[int, str] = {}
+    for stream in streams:
+        other = seen.setdefault(stream.worker_id, stream.capture)
+        if other != stream.capture:
+            raise ValueError(
+                f"worker {stream.worker_id} is in both {other} and {stream.capture}: captures "
+                "compared together are one fleet, so compare these in separate runs"
+            )
+
+
+def load_streams(
+    names: Sequence[str], block_size: int | None, prompts: Sequence[Prompt] | None
+) -> tuple[list[Stream], list[tuple[str, int, Prompt]]]:
+    """Every capture's streams, and the prompts to ask with the capture and block size they
+    are counted in (given prompts: those of the first stream)."""
+    streams: list[Stream] = []
+    asked: list[tuple[str, int, Prompt]] = []
+    for name in names:
+        captured, header_prompts = _read(name, block_size)
+        streams += captured
+        size = captured[0].block_size if captured else 0
+        asked += [(name, size, prompt) for prompt in header_prompts]
+    _check_workers(streams)
+    if prompts is not None:
+        size = streams[0].block_size if streams else 0
+        asked = [(", ".join(names), size, prompt) for prompt in prompts]
+    return streams, asked
