@@ -24,14 +24,8 @@ Replay (ROUTER socket)
     set (:attr:`Publisher.snapshot`): a request older than the buffer is then answered with
     the provider's payloads (a clear, then every resident block), numbered from the seq asked
     for, then the buffered batches from the provider's ``next_seq`` on.
-    Frame layouts, as a DEALER sees them:
-
-    ====================  ================================  ===========================
-    layout                per batch                         end marker
-    ====================  ================================  ===========================
-    vLLM 0.26+ (default)  ``[b"", topic, seq8, payload]``   ``[b"", b"", FF*8, b""]``
-    legacy (<= 0.25)      ``[b"", seq8, payload]``          ``[b"", FF*8, b""]``
-    ====================  ================================  ===========================
+    The frame layouts (vLLM 0.26+ by default, or the legacy one) are in
+    :mod:`kvbridge.adapters.replay_protocol`.
 
 Threads
     ZMQ sockets are not thread-safe. The PUB socket (and its monitor) belongs to the thread that
@@ -55,12 +49,12 @@ from typing import Final, Self
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvbridge.adapters.replay_protocol import END_SEQ, answer_frames, end_frames, parse_request
+
 __all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "Publisher", "ReplayServer", "should_bind"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
-END_SEQ: Final[bytes] = b"\xff" * 8
-"""Seq frame of the replay end marker: -1 as a signed 8-byte big-endian int."""
 
 _MAX_SEQ: Final[int] = 2**64 - 2
 """Largest publishable seq; 2**64 - 1 would be indistinguishable from :data:`END_SEQ`."""
@@ -324,10 +318,10 @@ class Publisher:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return served
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            request = parse_request(frames)
+            if request is None:
                 continue
-            identity, _, start = frames
-            self._answer(router, identity, int.from_bytes(start, "big"))
+            self._answer(router, *request)
             served += 1
 
     def _answer(self, router: zmq.Socket[bytes], identity: bytes, start_seq: int) -> None:
@@ -349,15 +343,12 @@ class Publisher:
         with self._lock:
             batches += [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
         # A ROUTER never blocks on send: beyond SNDHWM (or for a vanished peer) it drops.
+        topic_frame = self._replay_topic_frame
         for seq, payload in batches:
-            if self._replay_topic_frame:
-                router.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
-            else:
-                router.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        if self._replay_topic_frame:
-            router.send_multipart((identity, b"", b"", END_SEQ, b""))
-        else:
-            router.send_multipart((identity, b"", END_SEQ, b""))
+            router.send_multipart(
+                answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
+            )
+        router.send_multipart(end_frames(identity, topic_frame=topic_frame))
 
     def start_replay_thread(self) -> None:
         """Serve replays from a daemon thread until :meth:`close`.

@@ -81,7 +81,8 @@ import structlog
 import zmq
 
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.publisher import END_SEQ, should_bind
+from kvbridge.adapters.publisher import should_bind
+from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 
 __all__ = [
     "Message",
@@ -644,7 +645,7 @@ class Subscriber:
             stream.dealer.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
             stream.dealer.connect(connect_address(source.replay_endpoint))
         dealer = stream.dealer
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        dealer.send_multipart(request_frames(start))
         messages: list[Message] = []
         size = 0
         deadline = time.monotonic() + self.replay_timeout
@@ -661,15 +662,11 @@ class Subscriber:
                 dealer.close(0)  # late replies must not be read as the next replay's
                 stream.dealer = None
                 break
-            frames = dealer.recv_multipart()
-            body = frames[1:] if frames and frames[0] == b"" else frames
-            if len(body) == 3:
-                topic, seq_frame, payload = body
-            elif len(body) == 2:
-                topic, (seq_frame, payload) = source.topic.encode(), body
-            else:
+            answer = parse_answer(dealer.recv_multipart(), source.topic.encode())
+            if answer is None:
                 self._bad(stream, "replay_frame_count")
                 continue
+            topic, seq_frame, payload = answer
             if seq_frame == END_SEQ or not payload:
                 break
             if len(seq_frame) != 8:
