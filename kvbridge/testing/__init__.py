@@ -20,8 +20,16 @@ from kvbridge._lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvbridge.schemas import Overlap
-    from kvbridge.schemas.vllm import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
-    from kvbridge.testing.engine import BlockHash, Completion, SimulatedEngine, SyncedIndex
+    from kvbridge.schemas.vllm import (
+        AllBlocksCleared,
+        BlockHash,
+        BlockRemoved,
+        BlockStored,
+        VllmBatch,
+    )
+    from kvbridge.testing.scheduler import Completion
+    from kvbridge.testing.simulated_engine import SimulatedEngine
+    from kvbridge.testing.synced_index import SyncedIndex
 
 __all__ = [
     "AllBlocksCleared",
@@ -37,13 +45,13 @@ __all__ = [
 
 _MODULE_OF: Final = {
     "AllBlocksCleared": "kvbridge.schemas.vllm",
-    "BlockHash": "kvbridge.testing.engine",
+    "BlockHash": "kvbridge.schemas.vllm",
     "BlockRemoved": "kvbridge.schemas.vllm",
     "BlockStored": "kvbridge.schemas.vllm",
-    "Completion": "kvbridge.testing.engine",
+    "Completion": "kvbridge.testing.scheduler",
     "Overlap": "kvbridge.schemas",
-    "SimulatedEngine": "kvbridge.testing.engine",
-    "SyncedIndex": "kvbridge.testing.engine",
+    "SimulatedEngine": "kvbridge.testing.simulated_engine",
+    "SyncedIndex": "kvbridge.testing.synced_index",
     "VllmBatch": "kvbridge.schemas.vllm",
 }
 

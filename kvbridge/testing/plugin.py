@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from kvbridge.testing.engine import SimulatedEngine, SyncedIndex
+    from kvbridge.testing.simulated_engine import SimulatedEngine
+    from kvbridge.testing.synced_index import SyncedIndex
 
 __all__ = ["kv_index", "kvbridge_engine_options", "pytest_configure", "vllm_publisher"]
 
@@ -90,7 +91,7 @@ def vllm_publisher(
     request: pytest.FixtureRequest, kvbridge_engine_options: dict[str, Any]
 ) -> Iterator[SimulatedEngine]:
     """A simulated vLLM engine publishing real KV events on free loopback ports."""
-    from kvbridge.testing.engine import SimulatedEngine
+    from kvbridge.testing.simulated_engine import SimulatedEngine
 
     options = engine_options(request, kvbridge_engine_options)
     with SimulatedEngine(**options) as engine:
@@ -100,7 +101,7 @@ def vllm_publisher(
 @pytest.fixture
 def kv_index(vllm_publisher: SimulatedEngine) -> Iterator[SyncedIndex]:
     """A tiered Dynamo index fed from ``vllm_publisher`` (worker 0) by kvbridge's relay."""
-    from kvbridge.testing.engine import SyncedIndex
+    from kvbridge.testing.synced_index import SyncedIndex
 
     with SyncedIndex(vllm_publisher) as index:
         yield index
