@@ -1035,7 +1035,9 @@ mod fast {
         let fields = fields_of(tag);
         let mut next = 0;
         let mut seen = 0u32;
-        let mut event = Event::start(tag);
+        // Built in its place (a store is large); a failed event fails the whole payload.
+        events.push(Event::start(tag));
+        let event = events.last_mut()?;
         for _ in 1..len {
             let key = reader.str_bytes()?;
             // Keys come in layout order; some may be left out.
@@ -1053,9 +1055,7 @@ mod fast {
         if seen & required != required {
             return None;
         }
-        event.check()?;
-        events.push(event);
-        Some(())
+        event.check()
     }
 
     fn array_event<'a>(
@@ -1074,13 +1074,12 @@ mod fast {
         if given < fields.required || given > fields.known {
             return None;
         }
-        let mut event = Event::start(tag);
+        events.push(Event::start(tag));
+        let event = events.last_mut()?;
         for &position in &fields.positions[..given] {
             event.field(index, position, reader, arena)?;
         }
-        event.check()?;
-        events.push(event);
-        Some(())
+        event.check()
     }
 
     impl<'a> Event<'a> {

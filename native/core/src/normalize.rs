@@ -158,8 +158,12 @@ pub struct Normalizer {
     context_ids: Map<Context, u32>,
     next_event_id: u64,
     arena: Arena,
-    /// The slots a removal evicts, reused from event to event.
+    /// Buffers reused from event to event: the slots a removal evicts, a store's blocks, the
+    /// run of them going out, the bytes a block is hashed from.
     evicted: Vec<Slot>,
+    slots: Vec<(Slot, u64)>,
+    run: Vec<(Slot, u64)>,
+    hash_scratch: Vec<u8>,
     pub counters: Counters,
     logged: u16,
     pub first_drops: Vec<FirstDrop>,
@@ -192,6 +196,9 @@ impl Normalizer {
             next_event_id: 0,
             arena: Arena::default(),
             evicted: Vec::new(),
+            slots: Vec::new(),
+            run: Vec::new(),
+            hash_scratch: Vec::new(),
             counters: Counters::default(),
             logged: 0,
             first_drops: Vec::new(),
@@ -679,7 +686,8 @@ impl Normalizer {
         match self.canonical_blocks(rank, tier, stored, hashes, tokens) {
             Ok((slots, anchored)) => {
                 let tokens = (!anchored).then_some(tokens);
-                self.make_resident(rank, dp_rank, event_id, tier, &slots, tokens, out)
+                self.make_resident(rank, dp_rank, event_id, tier, &slots, tokens, out);
+                self.slots = slots;
             }
             Err(reason) => {
                 self.drop_blocks(Action::Stored, Some(tier), reason, blocks, stored.medium)
@@ -728,9 +736,10 @@ impl Normalizer {
         let mut seed = self.contexts[context as usize].1;
         let extra = stored.extra_keys.map(block_keys).unwrap_or_default();
         let size = self.block_size;
-        let mut scratch = Vec::with_capacity(size * 4 + 64);
+        let mut scratch = std::mem::take(&mut self.hash_scratch);
         let mut mm = Vec::new();
-        let mut slots = Vec::with_capacity(hashes.len());
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.clear();
         let mut anchored = false;
         if let Some(parent) = parent.filter(|_| rank.anchoring()) {
             slots = self.ancestors_to_anchor(rank, tier, parent);
@@ -759,6 +768,7 @@ impl Normalizer {
             parent = Some(canonical);
             slots.push((slot, canonical));
         }
+        self.hash_scratch = scratch;
         Ok((slots, anchored))
     }
 
@@ -809,7 +819,8 @@ impl Normalizer {
         out: &mut Output,
     ) {
         let mut start = 0;
-        let mut run: Vec<(Slot, u64)> = Vec::with_capacity(slots.len());
+        let mut run = std::mem::take(&mut self.run);
+        run.clear();
         let mut last: Option<u64> = None;
         let mut duplicates = 0;
         for (index, &(slot, canonical)) in slots.iter().enumerate() {
@@ -833,6 +844,7 @@ impl Normalizer {
         if !run.is_empty() {
             self.store_event(rank, dp_rank, event_id, tier, &run, tokens, start, out);
         }
+        self.run = run;
         if duplicates > 0 {
             self.count_drop(Action::Stored, tier, DropReason::DuplicateStore, duplicates);
         }
