@@ -18,6 +18,7 @@ import structlog
 import zmq
 
 from kvbridge.adapters.logs import DEFAULT_BURST
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.zmq import (
     DEFAULT_CLEAR_BURST,
@@ -183,6 +184,65 @@ def test_a_drop_in_the_same_poll_as_its_sockets_messages(
         "gaps": 1,
         "lost": items[1].seq - 1,
     }
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same publisher", "new process"])
+def test_a_reconnect_checks_whether_the_publisher_is_the_same(
+    ctx: zmq.Context[zmq.Socket[bytes]], same: bool
+) -> None:
+    """The engine's socket goes away after seq 4 and a publisher comes back on the same ports
+    and continues at seq 5: the sequence cannot tell a reconnect from a new process that has
+    published as many batches. The replay of seq 4 can: the same bytes (a reconnect) and the
+    stream goes on; other bytes (a new process) and it is a restart, replayed from 0."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+
+    def publisher() -> Publisher:
+        made = Publisher(
+            f"tcp://127.0.0.1:{base}",
+            bind=True,
+            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
+            context=ctx,
+        )
+        made.start_replay_thread()
+        return made
+
+    first = publisher()
+    with Subscriber([source], context=ctx) as subscriber:
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        for n in range(5):
+            first.publish(b"batch %d" % n)
+        drain(subscriber, 5)
+        first.close()
+        drain(subscriber, 1, "disconnects")
+        second = publisher()
+        for n in range(5):
+            second.publish(b"batch %d" % n if same else b"other %d" % n, send=False)
+        assert second.wait_for_subscribers(timeout=TIMEOUT)
+        second.publish(b"batch 5")
+        items = drain(subscriber, 6, "messages" if same else "replayed")
+        stats = dict(subscriber.stats)
+        second.close()
+
+    if same:
+        assert [(type(i), getattr(i, "seq", None)) for i in items] == [(Message, 5)]
+        assert stats == {"messages": 6, "disconnects": 1, "reconnect_checks": 1, "replays": 1}
+    else:
+        reset, *batches = items
+        assert reset == StreamReset(source, "restart")
+        assert [(b.seq, b.payload) for b in batches if isinstance(b, Message)] == [
+            *((n, b"other %d" % n) for n in range(5)),
+            (5, b"batch 5"),
+        ]
+        assert stats == {
+            "messages": 6,
+            "disconnects": 1,
+            "reconnect_checks": 1,
+            "replays": 2,
+            "restarts": 1,
+            "replayed": 6,
+            "duplicates": 1,
+        }
 
 
 # --------------------------------------------------------------------------- 3. sequences
