@@ -1104,6 +1104,7 @@ mod fast {
         }
 
         /// Reads the field at this position of [`STORED_FIELDS`] (one of the event's).
+        #[inline(always)]
         fn field(
             &mut self,
             index: usize,
