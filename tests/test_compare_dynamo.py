@@ -33,7 +33,7 @@ from kvbridge.adapters.dynamo_compare import (
     compare_captures,
 )
 from kvbridge.adapters.ports import free_port_range
-from kvbridge.adapters.validation import Report
+from kvbridge.cli.validation import Report
 from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch, encode_batch, layout_for
 from kvbridge.testing import SimulatedEngine
 

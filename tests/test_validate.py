@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
-from kvbridge.adapters.validation import Report
+from kvbridge.cli.validation import Report
 from kvbridge.schemas.vllm import BlockStored, VllmBatch, encode_batch, layout_for
 
 SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"

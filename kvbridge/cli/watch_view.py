@@ -14,7 +14,7 @@ than :data:`STALE_AFTER_S`: a replayed capture, or batches an engine's replay bu
 before, say nothing about how far behind the relay is.
 
 ``rich`` comes with the ``watch`` extra; it is imported only when a view is built, and
-:class:`MissingExtra` names the extra when it is absent.
+:class:`~kvbridge.cli.usage.MissingExtra` names the extra when it is absent.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.validation import BENIGN
 from kvbridge.adapters.zmq import Message, Source, StreamReset
+from kvbridge.cli.usage import MissingExtra
+from kvbridge.cli.validation import BENIGN
 from kvbridge.schemas.tiers import Tier
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
     from rich.table import Table
 
-__all__ = ["STALE_AFTER_S", "MissingExtra", "WatchView", "require_rich"]
+__all__ = ["STALE_AFTER_S", "WatchView", "require_rich"]
 
 STALE_AFTER_S: Final = 60.0
 """A batch whose engine time is this much older than the view's start shows no lag."""
@@ -72,10 +73,6 @@ NARROW_COLUMNS: Final = (
 """The headers on a screen narrower than :data:`WIDE` columns (80 columns fit them)."""
 WIDE: Final = 110
 """The width from which the table has its full headers and a space on each side of a cell."""
-
-
-class MissingExtra(RuntimeError):
-    """An optional dependency is not installed; the message names the extra."""
 
 
 def require_rich() -> None:

@@ -1,0 +1,95 @@
+"""What the commands that run until stopped share: the sources they subscribe to, the stop
+signal, the warning about a silent source and the metrics endpoint.
+
+``relay``, ``record`` and ``watch`` subscribe to ``--source`` engines; ``replay`` also runs
+until it is done or stopped. Each takes from here what it needs, so that the same argument means
+the same thing in every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Sequence
+
+import structlog
+
+from kvbridge.adapters.endpoints import Endpoint, SilenceWatch
+from kvbridge.adapters.metrics import serve_metrics
+from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.zmq import Source, Subscriber
+from kvbridge.cli.usage import MissingExtra, UsageError
+
+__all__ = ["delivered", "silence", "sources", "start_metrics", "until"]
+
+log = structlog.get_logger("kvbridge")
+
+
+def sources(args: argparse.Namespace) -> list[Source]:
+    """Pair the i-th ``--source-replay`` and ``--worker-id`` with the i-th ``--source``."""
+    count = len(args.source)
+    replays: list[Endpoint] = args.source_replay or []
+    workers = args.worker_id or list(range(count))
+    if len(replays) not in (0, count):
+        raise UsageError("give --source-replay once per --source, or not at all")
+    if len(workers) != count:
+        raise UsageError("give --worker-id once per --source, or not at all")
+    return [
+        Source(
+            endpoint.address,
+            replays[index].address if replays else None,
+            workers[index],
+            topic=args.source_topic,
+            bind=None if endpoint.mode is None else endpoint.mode == "bind",
+        )
+        for index, endpoint in enumerate(args.source)
+    ]
+
+
+def silence(sources: Sequence[Source]) -> SilenceWatch:
+    """The watch that warns, once each, of a source that has delivered nothing yet."""
+    return SilenceWatch((source.endpoint, source.subscriber_binds) for source in sources)
+
+
+def delivered(subscriber: Subscriber, sources: Sequence[Source]) -> list[str]:
+    """The endpoints of the sources that have delivered a batch, for :func:`silence`."""
+    return [s.endpoint for s in sources if subscriber.last_seq(s) is not None]
+
+
+def until(args: argparse.Namespace) -> threading.Event:
+    """An event set by SIGINT / SIGTERM, or after ``--duration`` seconds if given."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    duration = getattr(args, "duration", None)
+    if duration:
+        timer = threading.Timer(duration, stop.set)
+        timer.daemon = True
+        timer.start()
+    return stop
+
+
+def start_metrics(
+    args: argparse.Namespace, relay: Relay | None = None, subscriber: Subscriber | None = None
+) -> None:
+    """Serve ``--metrics-port``, if given, before the command's loop starts.
+
+    Raises:
+        MissingExtra: prometheus-client is not installed.
+        UsageError: the port cannot be bound.
+    """
+    if args.metrics_port is not None:
+        try:
+            serve_metrics(args.metrics_port, relay=relay, subscriber=subscriber)
+        except RuntimeError:  # prometheus-client is missing
+            raise MissingExtra(
+                "--metrics-port needs prometheus-client, the extra 'metrics': pip install "
+                "prometheus-client (or, in a clone, pip install '.[metrics]')"
+            ) from None
+        except OSError as error:
+            raise UsageError(
+                f"argument --metrics-port: cannot bind 127.0.0.1:{args.metrics_port}: "
+                f"{error.strerror or error}"
+            ) from None
+        log.info("serving metrics", url=f"http://127.0.0.1:{args.metrics_port}/metrics")
