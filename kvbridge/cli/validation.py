@@ -38,7 +38,7 @@ from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.normalizers import DropReason
 from kvbridge.schemas import BlockRemoved, BlockStored, SchemaError, VllmBatch, decode_batch
 
-__all__ = ["Problem", "Report", "render_text", "validate_captures"]
+__all__ = ["BENIGN", "Problem", "Report", "render_text", "validate_captures"]
 
 BENIGN: Final = frozenset(
     (DropReason.DUPLICATE_STORE, DropReason.STILL_REFERENCED, DropReason.CLEARED_EARLIER)
