@@ -18,10 +18,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from support.engine import Engine, free_port
 
 from kvbridge.adapters.capture import MAGIC, CaptureError, CaptureReader, CaptureWriter, FrameRecord
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.testing.workload import seeded_stream
 
 BS = 4
 TIMEOUT = 20.0  # subprocesses import dynamo first
@@ -217,7 +218,7 @@ def test_bundled_sample() -> None:
 def test_record_then_replay_byte_for_byte(
     tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    payloads = Engine(seed=3, block_size=BS).payloads(8)
+    payloads = seeded_stream(3, 8, block_size=BS).payloads
     payloads.insert(4, b"\xc1 not msgpack at all")  # framed right, payload malformed
     dropped = 6  # recovered through the replay socket
     count = len(payloads)
@@ -271,7 +272,7 @@ def test_record_then_replay_byte_for_byte(
     assert stamps == sorted(stamps)
 
     # Replayed at full speed to a plain SUB: the recorded frames, in order, byte for byte.
-    port = free_port()
+    port = free_port_range(1)
     sub = subscriber(ctx, port)
     replayer = kvbridge("replay", str(out), "--publish", f"tcp://*:{port}", "--pace", "max")
     try:
@@ -294,7 +295,7 @@ def test_replay_keeps_the_original_pace(
     write(path, records)
     span = (count - 1) * gap_ns / 1e9
 
-    port = free_port()
+    port = free_port_range(1)
     sub = subscriber(ctx, port)
     replayer = kvbridge("replay", str(path), "--publish", f"tcp://*:{port}", "--pace", "original")
     received, stamps = [], []

@@ -31,9 +31,7 @@ BIG_FRAME = 100 * 1024 * 1024
 ENGINE = """
 import sys, time
 import zmq
-sys.path.insert(0, {tests!r})
-from support.relay import stored, vllm_batch
-from kvbridge.schemas.vllm import BlockRemoved
+from kvbridge.testing.events import encoded, removed, stored
 
 port, seconds = int(sys.argv[1]), float(sys.argv[2])
 payloads = []
@@ -41,12 +39,12 @@ for k in range(1000):
     tokens = [k * 4 + t for t in range(4)]
     events = [stored([10_000 + k], tokens)]
     if k:
-        events.append(BlockRemoved([10_000 + k - 1], "GPU", group_idx=0))
-    payloads.append(vllm_batch(events, ts=1.0 + k))
+        events.append(removed([10_000 + k - 1]))
+    payloads.append(encoded(events, ts=1.0 + k))
 ctx = zmq.Context()
 pub = ctx.socket(zmq.PUB)
 pub.setsockopt(zmq.LINGER, 0)
-pub.bind(f"tcp://127.0.0.1:{{port}}")
+pub.bind(f"tcp://127.0.0.1:{port}")
 time.sleep(1.0)
 end = time.monotonic() + seconds
 seq = 0
@@ -72,7 +70,7 @@ def test_a_flood_keeps_the_relay_bounded_and_publishing(tmp_path: Path) -> None:
     replay = publish + ENGINES + 1
     metrics_port = replay + ENGINES + 1
     script = tmp_path / "engine.py"
-    script.write_text(ENGINE.format(tests=str(Path(__file__).parent)))
+    script.write_text(ENGINE)
     args: list[str] = []
     for port in sources:
         args += ["--source", f"tcp://*:{port}"]

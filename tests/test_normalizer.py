@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvbridge import Normalizer, Tier, TieredEvent, VllmBatch, decode_batch
+from kvbridge import Normalizer, Tier, TieredEvent, decode_batch
 from kvbridge.normalizers.hashing import engine_hash_u64, sequence_hashes, tokens_hashes
 from kvbridge.schemas.dynamo import (
     EventData,
@@ -19,36 +19,14 @@ from kvbridge.schemas.dynamo import (
     StoredBlock,
     StoredData,
 )
-from kvbridge.schemas.vllm import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.schemas.vllm import AllBlocksCleared
+from kvbridge.testing.events import batch, placeholder, removed, stored
 
 BS = 4
 WORKER = 7
 TOKENS = list(range(100, 116))  # four blocks of 4: the facts sheet's example prompt
 TH = tokens_hashes(TOKENS, BS)
 SEQ = sequence_hashes(TH)
-
-
-def stored(
-    hashes: list[Any],
-    parent: Any,
-    tokens: list[int],
-    medium: str | None = "GPU",
-    block_size: int = BS,
-    **fields: Any,
-) -> BlockStored:
-    return BlockStored(hashes, parent, tokens, block_size, None, medium, **fields)
-
-
-def removed(hashes: list[Any], medium: str | None = "GPU", **fields: Any) -> BlockRemoved:
-    return BlockRemoved(hashes, medium, **fields)
-
-
-def placeholder(hashes: list[Any], medium: str = "CPU", **fields: Any) -> BlockStored:
-    return BlockStored(hashes, None, [], 0, None, medium, **fields)
-
-
-def batch(*events: Any, rank: int | None = 0, unknown_fields: int = 0) -> VllmBatch:
-    return VllmBatch(0.0, list(events), rank, unknown_fields)
 
 
 def store_event(
@@ -114,9 +92,9 @@ ENGINE_STYLES = {
 
 def _run_chain(norm: Normalizer, h: Any) -> list[list[TieredEvent]]:
     return [
-        norm.normalize(batch(stored([h(0), h(1)], None, toks(0, 2))), 10),
-        norm.normalize(batch(stored([h(2), h(3)], h(1), [*toks(2, 4), 9, 9])), 11),
-        norm.normalize(batch(removed([h(3)]), removed([h(1), h(2)])), 12),
+        norm.normalize(batch([stored([h(0), h(1)], toks(0, 2))]), 10),
+        norm.normalize(batch([stored([h(2), h(3)], [*toks(2, 4), 9, 9], parent=h(1))]), 11),
+        norm.normalize(batch([removed([h(3)]), removed([h(1), h(2)])]), 12),
     ]
 
 
@@ -158,18 +136,18 @@ def test_bytes_and_int_forms_of_one_hash_are_the_same_block() -> None:
     digest = _sha(0)
     as_int = int.from_bytes(digest, "big") % 2**64
     assert as_int == engine_hash_u64(digest)
-    norm.normalize(batch(stored([as_int], None, toks(0, 1))), 1)
-    out = norm.normalize(batch(stored([_sha(1)], digest, toks(1, 2))), 2)
+    norm.normalize(batch([stored([as_int], toks(0, 1))]), 1)
+    out = norm.normalize(batch([stored([_sha(1)], toks(1, 2), parent=digest)]), 2)
     assert out == [store_event(Tier.DEVICE, SEQ[0], blocks(1, 2), toks(1, 2), seq=2)]
-    assert norm.normalize(batch(removed([digest])), 3) == [
+    assert norm.normalize(batch([removed([digest])]), 3) == [
         remove_event(Tier.DEVICE, [SEQ[0]], seq=3)
     ]
 
 
 def test_event_ids_default_to_a_counter() -> None:
     norm = Normalizer(WORKER, BS)
-    first = norm.normalize(batch(stored([1], None, toks(0, 1))))
-    second = norm.normalize(batch(stored([2], 1, toks(1, 2))))
+    first = norm.normalize(batch([stored([1], toks(0, 1))]))
+    second = norm.normalize(batch([stored([2], toks(1, 2), parent=1)]))
     assert first[0].event.event_id + 1 == second[0].event.event_id
 
 
@@ -178,36 +156,36 @@ def test_event_ids_default_to_a_counter() -> None:
 
 def test_store_twice_remove_once_keeps_the_block() -> None:
     norm = Normalizer(WORKER, BS)
-    assert norm.normalize(batch(stored([11], None, toks(0, 1))), 1) == [
+    assert norm.normalize(batch([stored([11], toks(0, 1))]), 1) == [
         store_event(Tier.DEVICE, None, blocks(0, 1), toks(0, 1), seq=1)
     ]
-    assert norm.normalize(batch(stored([11], None, toks(0, 1))), 2) == []
+    assert norm.normalize(batch([stored([11], toks(0, 1))]), 2) == []
     assert norm.stats == Counter({"duplicate_store": 1})
-    assert norm.normalize(batch(removed([11])), 3) == []
+    assert norm.normalize(batch([removed([11])]), 3) == []
     assert norm.stats == Counter({"duplicate_store": 1, "still_referenced": 1})
     assert norm.resident_blocks(0, Tier.DEVICE) == 1
-    assert norm.normalize(batch(removed([11])), 4) == [remove_event(Tier.DEVICE, [SEQ[0]], seq=4)]
+    assert norm.normalize(batch([removed([11])]), 4) == [remove_event(Tier.DEVICE, [SEQ[0]], seq=4)]
     assert norm.resident_blocks(0, Tier.DEVICE) == 0
     assert norm.forwarded == Counter({("stored", Tier.DEVICE): 1, ("removed", Tier.DEVICE): 1})
     # A third removal is of a block no longer there.
-    assert norm.normalize(batch(removed([11])), 5) == []
+    assert norm.normalize(batch([removed([11])]), 5) == []
     assert norm.stats == Counter({"duplicate_store": 1, "still_referenced": 1, "unknown_block": 1})
 
 
 def test_overlapping_chunks_forward_only_new_blocks() -> None:
     """Self-describing CPU chunks re-announce shared blocks; runs split around them."""
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11, 12, 13], None, toks(0, 3))), 1)
-    assert norm.normalize(batch(stored([12], 11, toks(1, 2), "CPU")), 2) == [
+    norm.normalize(batch([stored([11, 12, 13], toks(0, 3))]), 1)
+    assert norm.normalize(batch([stored([12], toks(1, 2), parent=11, medium="CPU")]), 2) == [
         store_event(Tier.HOST_PINNED, SEQ[0], blocks(1, 2), toks(1, 2), seq=2)
     ]
-    assert norm.normalize(batch(stored([11, 12, 13], None, toks(0, 3), "CPU")), 3) == [
+    assert norm.normalize(batch([stored([11, 12, 13], toks(0, 3), medium="CPU")]), 3) == [
         store_event(Tier.HOST_PINNED, None, blocks(0, 1), toks(0, 1), seq=3),
         store_event(Tier.HOST_PINNED, SEQ[1], blocks(2, 3), toks(2, 3), seq=3),
     ]
     assert norm.stats == Counter({"duplicate_store": 1})
     # Block 12 was announced twice on the CPU: the first removal keeps it.
-    assert norm.normalize(batch(removed([12, 13], "CPU")), 4) == [
+    assert norm.normalize(batch([removed([12, 13], medium="CPU")]), 4) == [
         remove_event(Tier.HOST_PINNED, [SEQ[2]], seq=4)
     ]
     assert norm.stats == Counter({"duplicate_store": 1, "still_referenced": 1})
@@ -217,19 +195,19 @@ def test_overlapping_chunks_forward_only_new_blocks() -> None:
 
 def test_same_block_on_two_tiers_counted_per_tier() -> None:
     norm = Normalizer(WORKER, BS)
-    gpu = norm.normalize(batch(stored([11], None, toks(0, 1), "GPU")), 1)
-    cpu = norm.normalize(batch(stored([11], None, toks(0, 1), "CPU")), 2)
+    gpu = norm.normalize(batch([stored([11], toks(0, 1), medium="GPU")]), 1)
+    cpu = norm.normalize(batch([stored([11], toks(0, 1), medium="CPU")]), 2)
     assert gpu == [store_event(Tier.DEVICE, None, blocks(0, 1), toks(0, 1), seq=1)]
     assert cpu == [store_event(Tier.HOST_PINNED, None, blocks(0, 1), toks(0, 1), seq=2)]
     assert norm.stats == Counter()
-    assert norm.normalize(batch(removed([11], "GPU")), 3) == [
+    assert norm.normalize(batch([removed([11], medium="GPU")]), 3) == [
         remove_event(Tier.DEVICE, [SEQ[0]], seq=3)
     ]
     assert norm.resident_blocks(0, Tier.DEVICE) == 0
     assert norm.resident_blocks(0, Tier.HOST_PINNED) == 1
     # The CPU copy is still there and still removable; a second GPU removal is not.
-    assert norm.normalize(batch(removed([11], "GPU")), 4) == []
-    assert norm.normalize(batch(removed([11], "CPU")), 5) == [
+    assert norm.normalize(batch([removed([11], medium="GPU")]), 4) == []
+    assert norm.normalize(batch([removed([11], medium="CPU")]), 5) == [
         remove_event(Tier.HOST_PINNED, [SEQ[0]], seq=5)
     ]
     assert norm.stats == Counter({"unknown_block": 1})
@@ -245,8 +223,8 @@ def test_same_block_on_two_tiers_counted_per_tier() -> None:
 
 def test_removal_on_a_tier_the_block_is_not_on() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11], None, toks(0, 1))), 1)
-    assert norm.normalize(batch(removed([11], "CPU")), 2) == []
+    norm.normalize(batch([stored([11], toks(0, 1))]), 1)
+    assert norm.normalize(batch([removed([11], medium="CPU")]), 2) == []
     assert norm.stats == Counter({"unknown_block": 1})
     assert norm.resident_blocks(0, Tier.DEVICE) == 1
 
@@ -283,22 +261,24 @@ MEDIA = {
 def test_media_map_without_case(medium: str | None) -> None:
     norm = Normalizer(WORKER, BS)
     tier = MEDIA[medium]
-    assert norm.normalize(batch(stored([11, 12], None, toks(0, 2), medium)), 1) == [
+    assert norm.normalize(batch([stored([11, 12], toks(0, 2), medium=medium)]), 1) == [
         store_event(tier, None, blocks(0, 2), toks(0, 2), seq=1)
     ]
     # Removal in another spelling of the same medium.
     other = medium.swapcase() if medium else medium
-    assert norm.normalize(batch(removed([12], other)), 2) == [remove_event(tier, [SEQ[1]], seq=2)]
+    assert norm.normalize(batch([removed([12], medium=other)]), 2) == [
+        remove_event(tier, [SEQ[1]], seq=2)
+    ]
     assert norm.stats == Counter()
 
 
 @pytest.mark.parametrize("medium", ["CXL", "cuda:0", "GPU0", "hbm", "cpu "])
 def test_unknown_media_dropped_and_counted_in_blocks(medium: str) -> None:
     norm = Normalizer(WORKER, BS)
-    assert norm.normalize(batch(stored([11, 12, 13], None, toks(0, 3), medium)), 1) == []
+    assert norm.normalize(batch([stored([11, 12, 13], toks(0, 3), medium=medium)]), 1) == []
     assert norm.stats == Counter({"unknown_medium": 3})
-    norm.normalize(batch(stored([11, 12], None, toks(0, 2), "GPU")), 2)
-    assert norm.normalize(batch(removed([11, 12], medium)), 3) == []
+    norm.normalize(batch([stored([11, 12], toks(0, 2), medium="GPU")]), 2)
+    assert norm.normalize(batch([removed([11, 12], medium=medium)]), 3) == []
     assert norm.stats == Counter({"unknown_medium": 5})
     assert norm.resident_blocks(0, Tier.DEVICE) == 2
     assert norm.forwarded == Counter({("stored", Tier.DEVICE): 2})
@@ -309,21 +289,21 @@ def test_unknown_media_dropped_and_counted_in_blocks(medium: str) -> None:
 
 def test_remote_locality_dropped() -> None:
     norm = Normalizer(WORKER, BS)
-    out = norm.normalize(batch(stored([11, 12], None, toks(0, 2), "STORAGE", locality="REMOTE")))
+    out = norm.normalize(batch([stored([11, 12], toks(0, 2), medium="STORAGE", locality="REMOTE")]))
     assert out == []
     assert norm.stats == Counter({"remote_locality": 2})
-    out = norm.normalize(batch(stored([11], None, toks(0, 1), "STORAGE", locality="remote")))
+    out = norm.normalize(batch([stored([11], toks(0, 1), medium="STORAGE", locality="remote")]))
     assert out == []
     assert norm.stats == Counter({"remote_locality": 3})
-    out = norm.normalize(batch(stored([11], None, toks(0, 1), "STORAGE", locality="ELSEWHERE")))
+    out = norm.normalize(batch([stored([11], toks(0, 1), medium="STORAGE", locality="ELSEWHERE")]))
     assert out == []
     assert norm.stats == Counter({"remote_locality": 3, "unknown_locality": 1})
-    out = norm.normalize(batch(stored([11], None, toks(0, 1), "STORAGE", locality="LOCAL")), 4)
+    out = norm.normalize(batch([stored([11], toks(0, 1), medium="STORAGE", locality="LOCAL")]), 4)
     assert out == [store_event(Tier.DISK, None, blocks(0, 1), toks(0, 1), seq=4)]
-    out = norm.normalize(batch(removed([11], "STORAGE", locality="REMOTE")), 5)
+    out = norm.normalize(batch([removed([11], medium="STORAGE", locality="REMOTE")]), 5)
     assert out == []
     assert norm.stats == Counter({"remote_locality": 4, "unknown_locality": 1})
-    out = norm.normalize(batch(removed([11], "STORAGE", locality="local")), 6)
+    out = norm.normalize(batch([removed([11], medium="STORAGE", locality="local")]), 6)
     assert out == [remove_event(Tier.DISK, [SEQ[0]], seq=6)]
 
 
@@ -331,16 +311,16 @@ def test_remote_locality_dropped() -> None:
 def test_non_main_kinds_dropped(kind: str) -> None:
     norm = Normalizer(WORKER, BS)
     for group in (0, 1, None):
-        event = stored([11, 12], None, toks(0, 2), group_idx=group, kv_cache_spec_kind=kind)
-        assert norm.normalize(batch(event)) == []
+        event = stored([11, 12], toks(0, 2), group_idx=group, kv_cache_spec_kind=kind)
+        assert norm.normalize(batch([event])) == []
     assert norm.stats == Counter({"non_main_group": 6})
 
 
 @pytest.mark.parametrize("kind", ["full_attention", "mla_attention", "sink_full_attention"])
 def test_main_kinds_kept_in_any_group(kind: str) -> None:
     norm = Normalizer(WORKER, BS)
-    event = stored([11], None, toks(0, 1), group_idx=3, kv_cache_spec_kind=kind)
-    assert norm.normalize(batch(event), 1) == [
+    event = stored([11], toks(0, 1), group_idx=3, kv_cache_spec_kind=kind)
+    assert norm.normalize(batch([event]), 1) == [
         store_event(Tier.DEVICE, None, blocks(0, 1), toks(0, 1), seq=1)
     ]
     assert norm.stats == Counter()
@@ -349,17 +329,27 @@ def test_main_kinds_kept_in_any_group(kind: str) -> None:
 def test_group_without_kind_dropped_unless_learned() -> None:
     norm = Normalizer(WORKER, BS)
     # Group 0 (or no group) without a kind: kept. Group 1 without a kind: dropped.
-    assert len(norm.normalize(batch(stored([11], None, toks(0, 1), group_idx=0)))) == 1
-    assert norm.normalize(batch(stored([12], 11, toks(1, 2), group_idx=1))) == []
+    assert (
+        len(norm.normalize(batch([stored([11], toks(0, 1), group_idx=0, kv_cache_spec_kind=None)])))
+        == 1
+    )
+    assert (
+        norm.normalize(
+            batch([stored([12], toks(1, 2), parent=11, group_idx=1, kv_cache_spec_kind=None)])
+        )
+        == []
+    )
     assert norm.stats == Counter({"non_main_group": 1})
     # A store teaches that group 1 is full attention ...
-    taught = stored([21], None, toks(0, 1), "CPU", group_idx=1, kv_cache_spec_kind="full_attention")
-    assert len(norm.normalize(batch(taught))) == 1
+    taught = stored(
+        [21], toks(0, 1), medium="CPU", group_idx=1, kv_cache_spec_kind="full_attention"
+    )
+    assert len(norm.normalize(batch([taught]))) == 1
     # ... so later kind-less events of group 1 are kept, removals included.
-    assert norm.normalize(batch(stored([12], 11, toks(1, 2), group_idx=1)), 5) == [
-        store_event(Tier.DEVICE, SEQ[0], blocks(1, 2), toks(1, 2), seq=5)
-    ]
-    assert norm.normalize(batch(removed([12], group_idx=1)), 6) == [
+    assert norm.normalize(
+        batch([stored([12], toks(1, 2), parent=11, group_idx=1, kv_cache_spec_kind=None)]), 5
+    ) == [store_event(Tier.DEVICE, SEQ[0], blocks(1, 2), toks(1, 2), seq=5)]
+    assert norm.normalize(batch([removed([12], group_idx=1)]), 6) == [
         remove_event(Tier.DEVICE, [SEQ[1]], seq=6)
     ]
     assert norm.stats == Counter({"non_main_group": 1})
@@ -367,40 +357,40 @@ def test_group_without_kind_dropped_unless_learned() -> None:
 
 def test_removals_in_a_sliding_window_group_dropped() -> None:
     norm = Normalizer(WORKER, BS)
-    main = stored([11, 12], None, toks(0, 2), group_idx=0, kv_cache_spec_kind="full_attention")
-    swa = stored([11, 12], None, toks(0, 2), group_idx=1, kv_cache_spec_kind="sliding_window")
-    assert len(norm.normalize(batch(main, swa))) == 1
+    main = stored([11, 12], toks(0, 2), group_idx=0, kv_cache_spec_kind="full_attention")
+    swa = stored([11, 12], toks(0, 2), group_idx=1, kv_cache_spec_kind="sliding_window")
+    assert len(norm.normalize(batch([main, swa]))) == 1
     assert norm.stats == Counter({"non_main_group": 2})
     # Group 1's removals have no kind but group 1 is known to be sliding window: the main
     # group's blocks with the same hashes must survive.
-    assert norm.normalize(batch(removed([11, 12], group_idx=1))) == []
+    assert norm.normalize(batch([removed([11, 12], group_idx=1)])) == []
     assert norm.stats == Counter({"non_main_group": 4})
     assert norm.resident_blocks(0, Tier.DEVICE) == 2
-    assert norm.normalize(batch(removed([12], group_idx=0)), 9) == [
+    assert norm.normalize(batch([removed([12], group_idx=0)]), 9) == [
         remove_event(Tier.DEVICE, [SEQ[1]], seq=9)
     ]
 
 
 def test_block_size_mismatch_dropped() -> None:
     norm = Normalizer(WORKER, BS)
-    assert norm.normalize(batch(stored([11, 12], None, TOKENS, block_size=8))) == []
+    assert norm.normalize(batch([stored([11, 12], TOKENS, block_size=8)])) == []
     assert norm.stats == Counter({"block_size_mismatch": 2})
     assert norm.forwarded == Counter()
 
 
 def test_orphan_parent_dropped() -> None:
     norm = Normalizer(WORKER, BS)
-    assert norm.normalize(batch(stored([12, 13], 99, toks(1, 3)))) == []
+    assert norm.normalize(batch([stored([12, 13], toks(1, 3), parent=99)])) == []
     assert norm.stats == Counter({"orphan_parent": 2})
     # The orphan blocks were not learned: children of them are orphans too.
-    assert norm.normalize(batch(stored([14], 13, toks(3, 4)))) == []
+    assert norm.normalize(batch([stored([14], toks(3, 4), parent=13)])) == []
     assert norm.stats == Counter({"orphan_parent": 3})
 
 
 def test_removal_of_unknown_hash_counted() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11], None, toks(0, 1))), 1)
-    assert norm.normalize(batch(removed([77, 11, 78])), 2) == [
+    norm.normalize(batch([stored([11], toks(0, 1))]), 1)
+    assert norm.normalize(batch([removed([77, 11, 78])]), 2) == [
         remove_event(Tier.DEVICE, [SEQ[0]], seq=2)
     ]
     assert norm.stats == Counter({"unknown_block": 2})
@@ -408,7 +398,7 @@ def test_removal_of_unknown_hash_counted() -> None:
 
 def test_unknown_fields_counted() -> None:
     norm = Normalizer(WORKER, BS)
-    assert norm.normalize(batch(unknown_fields=3)) == []
+    assert norm.normalize(batch([], unknown_fields=3)) == []
     assert norm.stats == Counter({"unknown_field": 3})
     # Through the decoder: a map-era BlockStored carrying a key from the future.
     payload = msgspec.msgpack.encode(
@@ -443,17 +433,17 @@ def test_unknown_fields_counted() -> None:
 
 def test_placeholder_resolves_to_the_gpu_block() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11, 12, 13], None, toks(0, 3))), 1)
-    assert norm.normalize(batch(placeholder([13], group_idx=0)), 2) == [
+    norm.normalize(batch([stored([11, 12, 13], toks(0, 3))]), 1)
+    assert norm.normalize(batch([placeholder([13], group_idx=0)]), 2) == [
         store_event(Tier.HOST_PINNED, SEQ[1], blocks(2, 3), toks(2, 3), seq=2)
     ]
     # Several hashes: one run per chain.
-    assert norm.normalize(batch(placeholder([11, 12])), 3) == [
+    assert norm.normalize(batch([placeholder([11, 12], group_idx=None)]), 3) == [
         store_event(Tier.HOST_PINNED, None, blocks(0, 2), toks(0, 2), seq=3)
     ]
     norm2 = Normalizer(WORKER, BS)
-    norm2.normalize(batch(stored([11, 12, 13], None, toks(0, 3))), 1)
-    assert norm2.normalize(batch(placeholder([11, 13])), 2) == [
+    norm2.normalize(batch([stored([11, 12, 13], toks(0, 3))]), 1)
+    assert norm2.normalize(batch([placeholder([11, 13], group_idx=None)]), 2) == [
         store_event(Tier.HOST_PINNED, None, blocks(0, 1), toks(0, 1), seq=2),
         store_event(Tier.HOST_PINNED, SEQ[1], blocks(2, 3), toks(2, 3), seq=2),
     ]
@@ -464,16 +454,16 @@ def test_placeholder_with_bytes_hash() -> None:
     """0.11-0.23 CPU placeholders carry bytes while the GPU events carry ints."""
     norm = Normalizer(WORKER, BS)
     digest = _sha(5)
-    norm.normalize(batch(stored([engine_hash_u64(digest)], None, toks(0, 1))), 1)
-    assert norm.normalize(batch(placeholder([digest])), 2) == [
+    norm.normalize(batch([stored([engine_hash_u64(digest)], toks(0, 1))]), 1)
+    assert norm.normalize(batch([placeholder([digest])]), 2) == [
         store_event(Tier.HOST_PINNED, None, blocks(0, 1), toks(0, 1), seq=2)
     ]
 
 
 def test_unknown_placeholder_counted() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11], None, toks(0, 1))), 1)
-    assert norm.normalize(batch(placeholder([99, 11, 98])), 2) == [
+    norm.normalize(batch([stored([11], toks(0, 1))]), 1)
+    assert norm.normalize(batch([placeholder([99, 11, 98])]), 2) == [
         store_event(Tier.HOST_PINNED, None, blocks(0, 1), toks(0, 1), seq=2)
     ]
     assert norm.stats == Counter({"unresolved_placeholder": 2})
@@ -481,11 +471,11 @@ def test_unknown_placeholder_counted() -> None:
 
 def test_placeholder_after_gpu_eviction_resolves() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11, 12], None, toks(0, 2))), 1)
-    assert norm.normalize(batch(removed([11]), removed([12])), 2) == [
+    norm.normalize(batch([stored([11, 12], toks(0, 2))]), 1)
+    assert norm.normalize(batch([removed([11]), removed([12])]), 2) == [
         remove_event(Tier.DEVICE, [SEQ[0], SEQ[1]], seq=2),
     ]
-    assert norm.normalize(batch(placeholder([12])), 3) == [
+    assert norm.normalize(batch([placeholder([12])]), 3) == [
         store_event(Tier.HOST_PINNED, SEQ[0], blocks(1, 2), toks(1, 2), seq=3)
     ]
     assert norm.stats == Counter()
@@ -495,11 +485,11 @@ def test_placeholder_of_evicted_block_can_be_removed_again() -> None:
     """A CPU copy resolved from a retained (evicted) GPU block must be removable from the CPU,
     or it stays resident downstream forever."""
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11, 12], None, toks(0, 2))), 1)
-    norm.normalize(batch(removed([11, 12])), 2)
-    assert len(norm.normalize(batch(placeholder([12])), 3)) == 1
+    norm.normalize(batch([stored([11, 12], toks(0, 2))]), 1)
+    norm.normalize(batch([removed([11, 12])]), 2)
+    assert len(norm.normalize(batch([placeholder([12])]), 3)) == 1
     assert norm.resident_blocks(0, Tier.HOST_PINNED) == 1
-    assert norm.normalize(batch(removed([12], "CPU")), 4) == [
+    assert norm.normalize(batch([removed([12], medium="CPU")]), 4) == [
         remove_event(Tier.HOST_PINNED, [SEQ[1]], seq=4)
     ]
     assert norm.stats == Counter()
@@ -508,18 +498,18 @@ def test_placeholder_of_evicted_block_can_be_removed_again() -> None:
 
 def test_retained_evicted_blocks_are_bounded() -> None:
     norm = Normalizer(WORKER, BS, retain_evicted=1)
-    norm.normalize(batch(stored([11, 12], None, toks(0, 2))), 1)
-    norm.normalize(batch(removed([11]), removed([12])), 2)
-    assert norm.normalize(batch(placeholder([11])), 3) == []
+    norm.normalize(batch([stored([11, 12], toks(0, 2))]), 1)
+    norm.normalize(batch([removed([11]), removed([12])]), 2)
+    assert norm.normalize(batch([placeholder([11])]), 3) == []
     assert norm.stats == Counter({"unresolved_placeholder": 1})
-    assert len(norm.normalize(batch(placeholder([12])), 4)) == 1
+    assert len(norm.normalize(batch([placeholder([12])]), 4)) == 1
 
 
 def test_child_of_evicted_parent_chains() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11], None, toks(0, 1))), 1)
-    norm.normalize(batch(removed([11])), 2)
-    assert norm.normalize(batch(stored([12], 11, toks(1, 2))), 3) == [
+    norm.normalize(batch([stored([11], toks(0, 1))]), 1)
+    norm.normalize(batch([removed([11])]), 2)
+    assert norm.normalize(batch([stored([12], toks(1, 2), parent=11)]), 3) == [
         store_event(Tier.DEVICE, SEQ[0], blocks(1, 2), toks(1, 2), seq=3)
     ]
 
@@ -529,9 +519,11 @@ def test_child_of_evicted_parent_chains() -> None:
 
 def test_all_blocks_cleared_clears_one_rank() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11, 12], None, toks(0, 2)), stored([12], 11, toks(1, 2), "CPU")))
-    norm.normalize(batch(stored([11], None, toks(0, 1)), rank=1))
-    out = norm.normalize(batch(AllBlocksCleared()), 5)
+    norm.normalize(
+        batch([stored([11, 12], toks(0, 2)), stored([12], toks(1, 2), parent=11, medium="CPU")])
+    )
+    norm.normalize(batch([stored([11], toks(0, 1))], dp_rank=1))
+    out = norm.normalize(batch([AllBlocksCleared()]), 5)
     assert out == clear_events(seq=5)
     assert [event.tier for event in out] == list(Tier)
     assert norm.forwarded[("cleared", Tier.DEVICE)] == 1
@@ -540,19 +532,19 @@ def test_all_blocks_cleared_clears_one_rank() -> None:
     assert norm.resident_blocks(1, Tier.DEVICE) == 1
     # Old hashes are gone on rank 0: their removals (vLLM's CPU pool outlives a reset) are
     # counted as cleared earlier, once; a second removal is unknown ...
-    assert norm.normalize(batch(removed([11]), removed([12], "CPU")), 6) == []
+    assert norm.normalize(batch([removed([11]), removed([12], medium="CPU")]), 6) == []
     assert norm.stats == Counter({"cleared_earlier": 2})
-    assert norm.normalize(batch(removed([11])), 6) == []
+    assert norm.normalize(batch([removed([11])]), 6) == []
     assert norm.stats == Counter({"cleared_earlier": 2, "unknown_block": 1})
     # ... but not on rank 1.
-    assert norm.normalize(batch(removed([11]), rank=1), 7) == [
+    assert norm.normalize(batch([removed([11])], dp_rank=1), 7) == [
         remove_event(Tier.DEVICE, [SEQ[0]], seq=7, dp_rank=1)
     ]
     # Re-stores forward again, and a child may chain on a cleared parent.
-    assert norm.normalize(batch(stored([11], None, toks(0, 1))), 8) == [
+    assert norm.normalize(batch([stored([11], toks(0, 1))]), 8) == [
         store_event(Tier.DEVICE, None, blocks(0, 1), toks(0, 1), seq=8)
     ]
-    assert norm.normalize(batch(stored([13], 12, toks(2, 3))), 9) == [
+    assert norm.normalize(batch([stored([13], toks(2, 3), parent=12)]), 9) == [
         store_event(Tier.DEVICE, SEQ[1], blocks(2, 3), toks(2, 3), seq=9)
     ]
     assert norm.stats == Counter({"cleared_earlier": 2, "unknown_block": 1})
@@ -560,8 +552,8 @@ def test_all_blocks_cleared_clears_one_rank() -> None:
 
 def test_reset_returns_clears_and_forgets_the_rank() -> None:
     norm = Normalizer(WORKER, BS)
-    norm.normalize(batch(stored([11], None, toks(0, 1))))
-    norm.normalize(batch(stored([11], None, toks(0, 1)), rank=1))
+    norm.normalize(batch([stored([11], toks(0, 1))]))
+    norm.normalize(batch([stored([11], toks(0, 1))], dp_rank=1))
     assert norm.dp_ranks == [0, 1]
     out = norm.reset(0)
     assert len(out) == len(Tier)
@@ -573,14 +565,14 @@ def test_reset_returns_clears_and_forgets_the_rank() -> None:
     assert [event.dp_rank for event in norm.reset(5)] == [5] * len(Tier)
     assert norm.dp_ranks == [1]
     # Forgotten: neither removable nor resolvable as a placeholder or a parent.
-    assert norm.normalize(batch(removed([11]))) == []
-    assert norm.normalize(batch(placeholder([11]))) == []
-    assert norm.normalize(batch(stored([12], 11, toks(1, 2)))) == []
+    assert norm.normalize(batch([removed([11])])) == []
+    assert norm.normalize(batch([placeholder([11])])) == []
+    assert norm.normalize(batch([stored([12], toks(1, 2), parent=11)])) == []
     assert norm.stats == Counter(
         {"unknown_block": 1, "unresolved_placeholder": 1, "orphan_parent": 1}
     )
     # Rank 1 is untouched.
-    assert norm.normalize(batch(removed([11]), rank=1), 3) == [
+    assert norm.normalize(batch([removed([11])], dp_rank=1), 3) == [
         remove_event(Tier.DEVICE, [SEQ[0]], seq=3, dp_rank=1)
     ]
     # reset() without a rank clears every rank.
@@ -617,9 +609,11 @@ def test_lora_and_salt_reach_the_tokens_hash(
     lora_keys = [lora] if lora else None
     extra_keys = [first_keys, lora_keys]
     th, seq = _salted(lora or None, salt)
-    first = stored([11, 12], None, toks(0, 2), lora_name=lora, extra_keys=extra_keys)
-    child = stored([13, 14], 12, toks(2, 4), lora_name=lora, extra_keys=[lora_keys, lora_keys])
-    out = norm.normalize(batch(first), 1) + norm.normalize(batch(child), 2)
+    first = stored([11, 12], toks(0, 2), lora_name=lora, extra_keys=extra_keys)
+    child = stored(
+        [13, 14], toks(2, 4), parent=12, lora_name=lora, extra_keys=[lora_keys, lora_keys]
+    )
+    out = norm.normalize(batch([first]), 1) + norm.normalize(batch([child]), 2)
     lora_out = lora or None
     assert out == [
         store_event(
@@ -648,8 +642,8 @@ def test_lora_and_salt_reach_the_tokens_hash(
 
 def test_salted_and_plain_blocks_are_distinct() -> None:
     norm = Normalizer(WORKER, BS)
-    plain = norm.normalize(batch(stored([11], None, toks(0, 1))))
-    salted = norm.normalize(batch(stored([21], None, toks(0, 1), extra_keys=[["tenantA"]])))
+    plain = norm.normalize(batch([stored([11], toks(0, 1))]))
+    salted = norm.normalize(batch([stored([21], toks(0, 1), extra_keys=[["tenantA"]])]))
     assert len(plain) == len(salted) == 1
     plain_block = plain[0].event.data.stored.blocks[0]  # type: ignore[union-attr]
     salted_block = salted[0].event.data.stored.blocks[0]  # type: ignore[union-attr]
@@ -664,16 +658,16 @@ def test_self_describing_cpu_copy_of_a_salted_block() -> None:
     block: it must keep the GPU block's canonical hash, and the GPU block must stay removable."""
     norm = Normalizer(WORKER, BS)
     th, seq = _salted(None, "tenantA")
-    gpu = stored([11, 12], None, toks(0, 2), "GPU", extra_keys=[["tenantA"], None])
+    gpu = stored([11, 12], toks(0, 2), medium="GPU", extra_keys=[["tenantA"], None])
     salted_blocks = list(zip(seq[:2], th[:2], strict=True))
-    assert norm.normalize(batch(gpu), 1) == [
+    assert norm.normalize(batch([gpu]), 1) == [
         store_event(Tier.DEVICE, None, salted_blocks, toks(0, 2), seq=1, cache_salt="tenantA")
     ]
-    cpu = stored([11, 12], None, toks(0, 2), "CPU")  # same engine hashes, no extra keys
-    assert norm.normalize(batch(cpu), 2) == [
+    cpu = stored([11, 12], toks(0, 2), medium="CPU")  # same engine hashes, no extra keys
+    assert norm.normalize(batch([cpu]), 2) == [
         store_event(Tier.HOST_PINNED, None, salted_blocks, toks(0, 2), seq=2, cache_salt="tenantA")
     ]
-    assert norm.normalize(batch(removed([11, 12], "GPU")), 3) == [
+    assert norm.normalize(batch([removed([11, 12], medium="GPU")]), 3) == [
         remove_event(Tier.DEVICE, [seq[0], seq[1]], seq=3)
     ]
     assert norm.stats == Counter()
@@ -685,8 +679,8 @@ def test_multimodal_extra_keys_before_the_salt() -> None:
     norm = Normalizer(WORKER, BS)
     digest = hashlib.sha256(b"image").hexdigest()
     extra_keys = [["my-lora", (digest, 0), "tenantA"], ["my-lora", (digest, 4)]]
-    event = stored([11, 12], None, toks(0, 2), lora_name="my-lora", extra_keys=extra_keys)
-    out = norm.normalize(batch(event), 1)
+    event = stored([11, 12], toks(0, 2), lora_name="my-lora", extra_keys=extra_keys)
+    out = norm.normalize(batch([event]), 1)
     mm = int(digest[:16], 16)
     th = tokens_hashes(
         toks(0, 2), BS, lora_name="my-lora", cache_salt="tenantA", mm_hashes=[[mm], [mm]]
@@ -709,21 +703,21 @@ def test_multimodal_extra_keys_before_the_salt() -> None:
 
 def test_two_dp_ranks_are_independent() -> None:
     norm = Normalizer(WORKER, BS)
-    out0 = norm.normalize(batch(stored([11, 12], None, toks(0, 2)), rank=0), 1)
-    out1 = norm.normalize(batch(stored([11, 12], None, toks(0, 2)), rank=1), 2)
+    out0 = norm.normalize(batch([stored([11, 12], toks(0, 2))], dp_rank=0), 1)
+    out1 = norm.normalize(batch([stored([11, 12], toks(0, 2))], dp_rank=1), 2)
     assert out0 == [store_event(Tier.DEVICE, None, blocks(0, 2), toks(0, 2), seq=1)]
     assert out1 == [store_event(Tier.DEVICE, None, blocks(0, 2), toks(0, 2), seq=2, dp_rank=1)]
     assert norm.stats == Counter()
     # A batch without a rank is rank 0.
-    assert norm.normalize(batch(removed([12]), rank=None), 3) == [
+    assert norm.normalize(batch([removed([12])], dp_rank=None), 3) == [
         remove_event(Tier.DEVICE, [SEQ[1]], seq=3)
     ]
     assert norm.resident_blocks(0, Tier.DEVICE) == 1
     assert norm.resident_blocks(1, Tier.DEVICE) == 2
     # Parents are per rank: rank 2 has never seen 12.
-    assert norm.normalize(batch(stored([13], 12, toks(2, 3)), rank=2)) == []
+    assert norm.normalize(batch([stored([13], toks(2, 3), parent=12)], dp_rank=2)) == []
     assert norm.stats == Counter({"orphan_parent": 1})
-    assert norm.normalize(batch(stored([13], 12, toks(2, 3)), rank=1), 4) == [
+    assert norm.normalize(batch([stored([13], toks(2, 3), parent=12)], dp_rank=1), 4) == [
         store_event(Tier.DEVICE, SEQ[1], blocks(2, 3), toks(2, 3), seq=4, dp_rank=1)
     ]
     assert norm.dp_ranks == [0, 1, 2]
@@ -739,10 +733,19 @@ def test_constructor_validation() -> None:
 def test_consecutive_removals_of_one_tier_coalesce_in_order() -> None:
     norm = Normalizer(WORKER, BS)
     norm.normalize(
-        batch(stored([11, 12, 13], None, toks(0, 3)), stored([11, 12], None, toks(0, 2), "CPU"))
+        batch([stored([11, 12, 13], toks(0, 3)), stored([11, 12], toks(0, 2), medium="CPU")])
     )
     out = norm.normalize(
-        batch(removed([13]), removed([12]), removed([12], "CPU"), removed([11]), removed([99])), 4
+        batch(
+            [
+                removed([13]),
+                removed([12]),
+                removed([12], medium="CPU"),
+                removed([11]),
+                removed([99]),
+            ]
+        ),
+        4,
     )
     assert out == [
         remove_event(Tier.DEVICE, [SEQ[2], SEQ[1]], seq=4),
@@ -755,6 +758,6 @@ def test_consecutive_removals_of_one_tier_coalesce_in_order() -> None:
 def test_a_duplicate_inside_a_chain_keeps_each_block_its_own_tokens() -> None:
     """Engine hash 11 twice: the second is a duplicate, and block 12's tokens are its own."""
     norm = Normalizer(WORKER, BS)
-    out = norm.normalize(batch(stored([11, 11, 12], None, toks(0, 3))), 1)
+    out = norm.normalize(batch([stored([11, 11, 12], toks(0, 3))]), 1)
     assert [event.token_ids for event in out] == [toks(0, 1) + toks(2, 3)]
     assert norm.stats == Counter({"duplicate_store": 1})

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import threading
 
-from support.engine import Engine
-
 from kvbridge import Normalizer, Tier
+from kvbridge.testing.workload import seeded_stream
 
 
 def test_readers_on_other_threads_wait_for_a_batch_in_progress() -> None:
     normalizer = Normalizer(1, 4)
-    payloads = Engine(3, block_size=4).payloads(400)
+    payloads = seeded_stream(3, 400).payloads
     errors: list[BaseException] = []
     stop = threading.Event()
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 from support.selection import Overlap, SelectionHarness
-from support.streams import Chain, Engine, WorkerStream, kvbridge_overlap
+from support.streams import Chain, WorkerStream, kvbridge_overlap
 
 from kvbridge import DropReason, TieredIndex
 
@@ -50,8 +50,8 @@ def seg(base: int, blocks: int, bs: int) -> list[int]:
     return list(range(base, base + blocks * bs))
 
 
-def families(engine: Engine, bs: int) -> dict[str, Chain]:
-    """Deterministic prompt families sharing prefixes.
+def families(bs: int, seed: bytes | None = None) -> dict[str, Chain]:
+    """Deterministic prompt families sharing prefixes, as the engine of ``seed`` hashes them.
 
     ROOT is 2 blocks. P0 = ROOT + 6 blocks (8); P1 = P0's first 4 blocks + 4 of its own (8);
     P2 = ROOT + 3 blocks (5); P3 (5 blocks) and P4 (6 blocks) share nothing.
@@ -59,11 +59,11 @@ def families(engine: Engine, bs: int) -> dict[str, Chain]:
     root = seg(1000, 2, bs)
     p0 = root + seg(1100, 6, bs)
     return {
-        "P0": engine.chain(p0, bs),
-        "P1": engine.chain(p0[: 4 * bs] + seg(1200, 4, bs), bs),
-        "P2": engine.chain(root + seg(1300, 3, bs), bs),
-        "P3": engine.chain(seg(1400, 5, bs), bs),
-        "P4": engine.chain(seg(1500, 6, bs), bs),
+        "P0": Chain(p0, bs, seed=seed),
+        "P1": Chain(p0[: 4 * bs] + seg(1200, 4, bs), bs, seed=seed),
+        "P2": Chain(root + seg(1300, 3, bs), bs, seed=seed),
+        "P3": Chain(seg(1400, 5, bs), bs, seed=seed),
+        "P4": Chain(seg(1500, 6, bs), bs, seed=seed),
     }
 
 
@@ -132,7 +132,7 @@ def test_selection_service_agrees_with_tiered_index(harness: SelectionHarness, b
     Int u64 hashes identical on all workers, canonical media, self-describing CPU stores, GPU
     evictions one hash per BlockRemoved, CPU removals, AllBlocksCleared."""
     index = TieredIndex(bs)
-    chains = families(Engine(), bs)
+    chains = families(bs)
     p0, p1, p2, p3, p4 = chains.values()
     prompts = queries(chains)
     hashes = [h for chain in chains.values() for h in chain.hashes]
@@ -221,7 +221,7 @@ def test_bytes_hashes(harness: SelectionHarness) -> None:
     0.11-0.23). Dynamo rejects bytes ("data did not match any variant of untagged enum
     BlockHashValue") and drops the whole batch, int-hashed GPU stores in it included."""
     index = TieredIndex(BS)
-    p0, _, p2, p3, _ = families(Engine(), BS).values()
+    p0, _, p2, p3, _ = families(BS).values()
     with (
         WorkerStream(harness, index, 1, BS) as w1,
         WorkerStream(harness, index, 2, BS, release="0.22.0") as w2,
@@ -259,7 +259,7 @@ def test_placeholder_cpu_events(harness: SelectionHarness) -> None:
     the GPU block's hash; 0.32.0 maps). Dynamo's block-size check drops them ("Block not
     published"), so blocks offloaded then evicted from the GPU are lost to it."""
     index = TieredIndex(BS)
-    p0 = families(Engine(), BS)["P0"]
+    p0 = families(BS)["P0"]
     with WorkerStream(harness, index, 1, BS) as w1:
         w1.send([p0.stored(0, 6)])
         w1.send([p0.placeholder(i) for i in range(6)])
@@ -278,7 +278,7 @@ def test_lowercase_media(harness: SelectionHarness) -> None:
     """Mooncake and LMCache say "cpu". Dynamo's medium match is case-sensitive: unknown medium,
     dropped."""
     index = TieredIndex(BS)
-    p0, _, _, p3, _ = families(Engine(), BS).values()
+    p0, _, _, p3, _ = families(BS).values()
     with WorkerStream(harness, index, 1, BS) as w1:
         w1.send([p0.stored(0, 6)])
         w1.send([p0.stored(0, 6, medium="cpu"), *p0.evicted(5, 4, 3, 2)])
@@ -297,8 +297,8 @@ def test_engines_hashing_identical_tokens_differently(harness: SelectionHarness)
     ("Failed to find parent block") and B's removals by its own hashes do nothing (facts 1.7).
     kvbridge rewrites every hash to Dynamo's canonical sequence hash, per worker."""
     index = TieredIndex(BS)
-    a = families(Engine(b"engine-A"), BS)["P0"]
-    b = families(Engine(b"engine-B"), BS)["P0"]
+    a = families(BS, seed=b"engine-A")["P0"]
+    b = families(BS, seed=b"engine-B")["P0"]
     assert a.tokens == b.tokens
     assert not set(a.hashes) & set(b.hashes)
     with WorkerStream(harness, index, 1, BS) as wa, WorkerStream(harness, index, 2, BS) as wb:
@@ -355,7 +355,7 @@ def test_chunked_cpu_offload_reannounces_shared_hashes(harness: SelectionHarness
     once per chunk (vllm-kv-events.md 9.1, 11). Dynamo does not reference-count: one chunk's
     removal takes the shared blocks away although the other chunk still holds them."""
     index = TieredIndex(BS)
-    chains = families(Engine(), BS)
+    chains = families(BS)
     p0, p1 = chains["P0"], chains["P1"]
     assert p0.hashes[:4] == p1.hashes[:4]  # P0 and P1 share blocks 0-3
     with WorkerStream(harness, index, 1, BS) as w1:
@@ -385,8 +385,8 @@ def test_raw_vllm_cache_salt(harness: SelectionHarness) -> None:
     ...]). Dynamo reads a salt there only with the "dynamo-cache-salt:" prefix, so it indexes the
     blocks unsalted: a salted query misses, an unsalted one wrongly hits."""
     index = TieredIndex(BS)
-    tokens = families(Engine(), BS)["P0"].tokens
-    salted = Engine().chain(tokens, BS, cache_salt="tenantA")
+    tokens = families(BS)["P0"].tokens
+    salted = Chain(tokens, BS, cache_salt="tenantA")
     with WorkerStream(harness, index, 1, BS) as w1:
         w1.send([salted.stored(0, 4)])
         assert salted.stored(0, 4).extra_keys == [["tenantA"], None, None, None]

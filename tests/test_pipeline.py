@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import structlog
 import zmq
-from support.engine import LAYOUT, dump_rows, removed, stored
+from support.reference import dump_rows
 
 from kvbridge import TieredIndex
 from kvbridge.adapters.capture import FrameRecord
@@ -32,7 +32,8 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.zmq import Message, Source, StreamReset, Subscriber
 from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.schemas import TieredEvent, decode_batch
-from kvbridge.schemas.vllm import Event, VllmBatch, encode_batch
+from kvbridge.schemas.vllm import Event
+from kvbridge.testing.events import encoded, removed, stored
 
 BS = 4
 LOCAL = "tcp://127.0.0.1:0"
@@ -71,10 +72,6 @@ def _kind(event: TieredEvent) -> str:
 
 CLEARS = 4
 """A rank's clear is one event per tier."""
-
-
-def payload(events: Sequence[Event], rank: int = 0) -> bytes:
-    return encode_batch(VllmBatch(time.time(), list(events), rank), LAYOUT)
 
 
 def store(*blocks: list[int], hashes: Sequence[int], medium: str = "GPU") -> Event:
@@ -163,7 +160,7 @@ def test_a_bad_frame_is_counted_logged_and_skipped_leaving_state_unchanged(
     rig = engines(1)
     index = TieredIndex(BS)
     pipeline = StreamPipeline(BS, sinks=[IndexSink(index)])
-    rig.send(pipeline, 0, payload([store(A, B, hashes=[1, 2])]))
+    rig.send(pipeline, 0, encoded([store(A, B, hashes=[1, 2])]))
     worker = pipeline.workers[1]
     before = (dump_rows(index), Counter(worker.normalizer.dropped), dict(worker.ranks), worker.lag)
 
@@ -179,7 +176,7 @@ def test_a_bad_frame_is_counted_logged_and_skipped_leaving_state_unchanged(
     assert entry["reason"] == "schema"
     assert entry["error"]
     # The stream goes on: the next batch, removing block 2, applies as if the bad one never was.
-    rig.send(pipeline, 0, payload([removed([2])]))
+    rig.send(pipeline, 0, encoded([removed([2])]))
     assert overlap(index, A + B) == {(1, 0): (1, 1, 1)}
     assert worker.normalizer.stats == Counter()
 
@@ -197,17 +194,17 @@ def test_a_source_reset_clears_exactly_the_ranks_that_source_delivered(
     recorder = Recorder()
     pipeline = StreamPipeline(BS, sinks=[IndexSink(index), recorder])
     first, second, _ = rig.sources
-    rig.send(pipeline, 0, payload([store(A, B, hashes=[1, 2])], rank=0))
-    rig.send(pipeline, 0, payload([store(A, B, hashes=[1, 2])], rank=2))
-    rig.send(pipeline, 1, payload([store(A, B, hashes=[1, 2])], rank=1))
-    rig.send(pipeline, 2, payload([store(A, B, hashes=[1, 2])], rank=0))
+    rig.send(pipeline, 0, encoded([store(A, B, hashes=[1, 2])], dp_rank=0))
+    rig.send(pipeline, 0, encoded([store(A, B, hashes=[1, 2])], dp_rank=2))
+    rig.send(pipeline, 1, encoded([store(A, B, hashes=[1, 2])], dp_rank=1))
+    rig.send(pipeline, 2, encoded([store(A, B, hashes=[1, 2])], dp_rank=0))
     assert pipeline.workers[1].ranks == {first: {0, 2}, second: {1}}
     assert set(overlap(index, A + B)) == {(1, 0), (1, 1), (1, 2), (2, 0)}
 
     # The first engine restarts: its seq goes back to 0, which the subscriber turns into a reset.
     rig.publishers[0].restart()
     recorder.seen.clear()
-    items = rig.pump(pipeline, first, rig.publishers[0].publish(payload([store(C, hashes=[3])])))
+    items = rig.pump(pipeline, first, rig.publishers[0].publish(encoded([store(C, hashes=[3])])))
     assert [type(item) for item in items] == [StreamReset, Message]
 
     assert recorder.shapes() == [
@@ -224,7 +221,9 @@ def test_an_uncleared_source_clears_its_rank_before_its_first_batch(engines: Mak
     index = TieredIndex(BS)
     # A previous run left worker 1's rank 1 in the index (a relay that restarted, say).
     earlier = StreamPipeline(BS, sinks=[IndexSink(index)])
-    earlier.feed_batch(Source("tcp://*:1", None, 1), payload([store(A, B, hashes=[1, 2])], 1), 0)
+    earlier.feed_batch(
+        Source("tcp://*:1", None, 1), encoded([store(A, B, hashes=[1, 2])], dp_rank=1), 0
+    )
     assert overlap(index, A + B) == {(1, 1): (2, 2, 2)}
 
     rig = engines(1)
@@ -233,9 +232,9 @@ def test_an_uncleared_source_clears_its_rank_before_its_first_batch(engines: Mak
     [source] = rig.sources
     # The engine's seq 0 never arrives and there is no replay socket: the subscriber resets the
     # source before any batch has named its rank.
-    rig.send(pipeline, 0, payload([store(C, hashes=[3])], 1), send=False)
+    rig.send(pipeline, 0, encoded([store(C, hashes=[3])], dp_rank=1), send=False)
     items = rig.pump(
-        pipeline, source, rig.publishers[0].publish(payload([store(D, hashes=[4])], 1))
+        pipeline, source, rig.publishers[0].publish(encoded([store(D, hashes=[4])], dp_rank=1))
     )
     assert [type(item) for item in items] == [StreamReset, Message]
     assert items[0] == StreamReset(source, "lost", 1)
@@ -250,7 +249,7 @@ def test_an_uncleared_source_clears_its_rank_before_its_first_batch(engines: Mak
 
     # Only the first batch is preceded by a clear.
     recorder.seen.clear()
-    rig.send(pipeline, 0, payload([store(A, hashes=[1])], 1))
+    rig.send(pipeline, 0, encoded([store(A, hashes=[1])], dp_rank=1))
     assert recorder.shapes() == [(1, [(1, 1, "stored")])]
 
 
@@ -275,7 +274,7 @@ def test_a_bad_first_frame_of_an_uncleared_source() -> None:
     assert pipeline.workers[1].ranks == {}
     assert pipeline.stats["bad_frame:schema"] == 2
 
-    pipeline.feed(Message(source, 5, b"", payload([store(A, hashes=[1])], 2), 0))
+    pipeline.feed(Message(source, 5, b"", encoded([store(A, hashes=[1])], dp_rank=2), 0))
     assert recorder.shapes() == [(1, [(1, 2, "cleared")] * CLEARS + [(1, 2, "stored")])]
     assert pipeline.workers[1].uncleared == set()
     assert pipeline.workers[1].ranks == {source: {2}}
@@ -295,14 +294,14 @@ def test_two_sources_of_one_worker_share_its_normalizer(engines: MakeEngines) ->
     # The first source stores A+B on the GPU; the second sends CPU placeholders (no tokens) for
     # the same engine hashes, and later removes one from the GPU. Both resolve only through the
     # state the first source's batch left in the worker's normalizer.
-    rig.send(pipeline, 0, payload([store(A, B, hashes=[1, 2])]))
-    rig.send(pipeline, 1, payload([stored([1], [], medium="CPU"), stored([2], [], medium="CPU")]))
-    rig.send(pipeline, 1, payload([removed([2])]))
+    rig.send(pipeline, 0, encoded([store(A, B, hashes=[1, 2])]))
+    rig.send(pipeline, 1, encoded([stored([1], [], medium="CPU"), stored([2], [], medium="CPU")]))
+    rig.send(pipeline, 1, encoded([removed([2])]))
     assert overlap(index, A + B) == {(1, 0): (1, 2, 2)}
     assert pipeline.workers[1].normalizer.stats == Counter()
 
     # Worker 2 has its own: the same hashes mean nothing there.
-    rig.send(pipeline, 2, payload([removed([2])]))
+    rig.send(pipeline, 2, encoded([removed([2])]))
     assert pipeline.workers[2].normalizer.stats == Counter({"unknown_block": 1})
 
 
@@ -343,8 +342,10 @@ def test_the_publisher_sink_republishes_canonical_payloads(
         pipeline.add_source(source, sink)
         pipeline.add_source(Source("tcp://*:2", None, 7))  # no sink: nothing published for it
         engine_hash = 0xDEAD_BEEF
-        pipeline.feed_batch(source, payload([store(A, hashes=[engine_hash])], 3), 0)
-        pipeline.feed_batch(Source("tcp://*:2", None, 7), payload([store(B, hashes=[9])], 4), 0)
+        pipeline.feed_batch(source, encoded([store(A, hashes=[engine_hash])], dp_rank=3), 0)
+        pipeline.feed_batch(
+            Source("tcp://*:2", None, 7), encoded([store(B, hashes=[9])], dp_rank=4), 0
+        )
 
         assert sub.poll(int(TIMEOUT * 1000))
         _, seq, data = sub.recv_multipart()
@@ -358,7 +359,9 @@ def test_the_publisher_sink_republishes_canonical_payloads(
         assert stats == Counter({"batches_in": 2, "batches_out": 1})
 
         # The sink builds no events: it only asks for payloads.
-        canonical = pipeline.workers[7].normalizer.process(payload([store(C, hashes=[5])], 3))
+        canonical = pipeline.workers[7].normalizer.process(
+            encoded([store(C, hashes=[5])], dp_rank=3)
+        )
         payloads = _PayloadsOnly(canonical.canonical_payloads(time.time()))
         sink.apply(payloads, source, time.time())  # type: ignore[arg-type]
         assert decode_batch(sub.recv_multipart()[2]).events[0].token_ids == C
@@ -369,9 +372,9 @@ def test_the_publisher_sink_republishes_canonical_payloads(
 
 def test_capture_records_payloads_and_decoded_batches_index_the_same() -> None:
     batches = [
-        payload([store(A, B, hashes=[1, 2])]),
-        payload([stored([1, 2], [], medium="CPU")]),
-        payload([removed([2])]),
+        encoded([store(A, B, hashes=[1, 2])]),
+        encoded([stored([1, 2], [], medium="CPU")]),
+        encoded([removed([2])]),
     ]
     records = [
         FrameRecord(i, "replay:tcp://*:5557" if i == 1 else "tcp://*:5557", 3, [b"", bytes(8), p])

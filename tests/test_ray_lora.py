@@ -17,7 +17,6 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from support.relay import vllm_batch
 
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
@@ -25,6 +24,7 @@ from kvbridge.adapters.zmq import Source
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState
 from kvbridge.ray_integration.engine import KVEventPorts
 from kvbridge.schemas.vllm import BlockStored
+from kvbridge.testing.events import encoded
 
 BLOCK = 4
 TOKENS = list(range(100, 124))  # 6 blocks
@@ -66,7 +66,7 @@ class RelayedWorker:
         )
         assert self.engine.wait_for_subscribers(1)
         time.sleep(0.05)
-        self.engine.publish(vllm_batch([event]))
+        self.engine.publish(encoded([event]))
 
     def close(self) -> None:
         self.relay.close()

@@ -27,18 +27,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from support.relay import (
-    BLOCK_SIZE,
-    RelayProcess,
-    Samples,
-    kvbridge_command,
-    placeholder,
-    port_of,
-    removed,
-    stored,
-    vllm_batch,
-    wait_tcp_peers,
-)
+from support.relay import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
 from support.selection import Overlap, SelectionHarness
 
 from kvbridge.adapters.ports import free_port_range
@@ -46,6 +35,7 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Source
 from kvbridge.schemas.vllm import Event
+from kvbridge.testing.events import BLOCK_SIZE, encoded, placeholder, removed, stored
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -193,7 +183,7 @@ def test_relay_fixes_what_dynamo_gets_wrong(make_rig: Callable[..., Rig]) -> Non
         sentinels = itertools.count(1)
 
         def publish(worker_id: int, *events: Event) -> None:
-            rig.source(worker_id).publish(vllm_batch(events))
+            rig.source(worker_id).publish(encoded(events))
 
         def sync(worker_id: int) -> None:
             """A one-block store of fresh tokens both services index: once both see it, they
@@ -229,9 +219,9 @@ def test_relay_fixes_what_dynamo_gets_wrong(make_rig: Callable[..., Rig]) -> Non
         # size is: 0"); the relay resolves them through the engine hash.
         offload_prompt = list(range(200, 216))
         publish(1, stored([201, 202, 203, 204], offload_prompt))
-        publish(1, placeholder(203))
+        publish(1, placeholder([203]))
         publish(1, removed([203]), removed([204]))  # one BlockRemoved per GPU hash
-        publish(1, placeholder(204))
+        publish(1, placeholder([204]))
         sync(1)
         check(offload_prompt, {(1, 0): (2, 4, 4)}, {(1, 0): (2, 2, 2)})
 
@@ -301,10 +291,10 @@ def test_dynamo_replays_from_the_relay(make_rig: Callable[..., Rig]) -> None:
     rig.wait_connected(peers_per_output=0)
     source = rig.source(7)
     prompt = list(range(100, 112))
-    source.publish(vllm_batch([stored([11, 12], prompt[:8])]))
-    source.publish(vllm_batch([stored([13], prompt[8:], parent=12)]))
-    source.publish(vllm_batch([stored([12, 13], prompt[4:], parent=11, medium="CPU")]))
-    source.publish(vllm_batch([removed([13])]))
+    source.publish(encoded([stored([11, 12], prompt[:8])]))
+    source.publish(encoded([stored([13], prompt[8:], parent=12)]))
+    source.publish(encoded([stored([12, 13], prompt[4:], parent=11, medium="CPU")]))
+    source.publish(encoded([removed([13])]))
     assert rig.relay.wait_value("kvbridge_batches_total", 4, direction="out")
 
     with SelectionHarness() as with_replay, SelectionHarness() as without_replay:
@@ -312,7 +302,7 @@ def test_dynamo_replays_from_the_relay(make_rig: Callable[..., Rig]) -> None:
         rig.register(without_replay, 7, replay=False)
         rig.wait_connected(peers_per_output=2)
         later = list(range(500, 504))
-        source.publish(vllm_batch([stored([21], later)]))
+        source.publish(encoded([stored([21], later)]))
         assert with_replay.wait_for(lambda: with_replay.overlap(later) == {(7, 0): (1, 1, 1)})
         assert without_replay.wait_for(lambda: without_replay.overlap(later) == {(7, 0): (1, 1, 1)})
         assert with_replay.overlap(prompt) == {(7, 0): (2, 3, 3)}
@@ -329,12 +319,12 @@ MAX_FRAME_BYTES = 256
 def send_bad_frames(publisher: Publisher) -> None:
     """An oversized (otherwise valid) frame, a 2-frame message and an undecodable payload,
     then a valid batch storing two blocks of tokens 100-107."""
-    big = vllm_batch([stored(range(1000, 1020), range(80))])
+    big = encoded([stored(range(1000, 1020), range(80))])
     assert len(big) > MAX_FRAME_BYTES
     publisher.send_frames([b"", seq8(publisher.next_seq), big])
     publisher.send_frames([b"", seq8(publisher.next_seq)])
     assert publisher.publish(b"\xc1garbage") == 0
-    assert publisher.publish(vllm_batch([stored([1, 2], range(100, 108))])) == 1
+    assert publisher.publish(encoded([stored([1, 2], range(100, 108))])) == 1
 
 
 def test_bad_frames_counted_and_relay_keeps_serving(
@@ -419,7 +409,7 @@ def test_metrics_after_tiers_drops_gap_and_restart(
     new = list(range(200, 208))
 
     def publish(*events: Event, send: bool = True) -> int:
-        return source.publish(vllm_batch(events), send=send)
+        return source.publish(encoded(events), send=send)
 
     publish(stored([1, 2, 3], old))  # stored device forwarded 3
     publish(stored([2, 3], old[4:], parent=1, medium="CPU"))  # stored host_pinned forwarded 2
@@ -498,13 +488,13 @@ def test_restart_after_a_replayed_gap_clears_the_worker(
     source = rig.source(1)
     old = list(range(100, 112))
     new = list(range(200, 204))
-    source.publish(vllm_batch([stored([1], old[:4])]))
-    source.publish(vllm_batch([stored([2], old[4:8], parent=1)]), send=False)
-    source.publish(vllm_batch([stored([3], old[8:], parent=2)]))  # gap: 1-2 replayed
+    source.publish(encoded([stored([1], old[:4])]))
+    source.publish(encoded([stored([2], old[4:8], parent=1)]), send=False)
+    source.publish(encoded([stored([3], old[8:], parent=2)]))  # gap: 1-2 replayed
     assert harness.wait_for(lambda: harness.overlap(old) == {(1, 0): (3, 3, 3)})
 
     source.restart()
-    assert source.publish(vllm_batch([stored([11], new)])) == 0
+    assert source.publish(encoded([stored([11], new)])) == 0
     relay = rig.relay
 
     def outcome() -> tuple[float, float]:
@@ -537,19 +527,19 @@ def test_relay_restart_with_lost_batches_clears_dynamo(
     source = rig.source(1)
     old = list(range(100, 108))
     later = [list(range(200 + 100 * i, 204 + 100 * i)) for i in range(3)]
-    assert source.publish(vllm_batch([stored([1, 2], old)])) == 0
+    assert source.publish(encoded([stored([1, 2], old)])) == 0
     assert harness.wait_for(lambda: harness.overlap(old) == {(1, 0): (2, 2, 2)})
 
     rig.relay.close()
-    assert source.publish(vllm_batch([removed([1]), removed([2])])) == 1  # while it is down
-    assert source.publish(vllm_batch([stored([3], later[0])])) == 2
-    assert source.publish(vllm_batch([stored([4], later[1])])) == 3
+    assert source.publish(encoded([removed([1]), removed([2])])) == 1  # while it is down
+    assert source.publish(encoded([stored([3], later[0])])) == 2
+    assert source.publish(encoded([stored([4], later[1])])) == 3
     relay = rig.start_relay()
     wait_tcp_peers(port_of(source.endpoint), 1)
     wait_tcp_peers(port_of(rig.publish[0]), 1)
     # At start the relay replays from 0, gets 2 and 3 (the buffer holds two), and counts 0-1
     # lost: the worker is cleared in Dynamo before batch 2 is applied.
-    assert source.publish(vllm_batch([stored([5], later[2])])) == 4
+    assert source.publish(encoded([stored([5], later[2])])) == 4
     assert harness.wait_for(lambda: harness.overlap(later[2]) == {(1, 0): (1, 1, 1)})
     assert relay.value("kvbridge_lost_batches_total") == 2
     assert relay.value("kvbridge_replayed_batches_total") == 2

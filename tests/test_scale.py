@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 import zmq
-from support.engine import chain, removed, stored, vllm_batch
 
 from kvbridge import TieredIndex
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Source
+from kvbridge.testing.events import TS0, encoded, removed, stored
+from kvbridge.testing.vllm_hashes import block_hashes
 
 SOURCES = 1000
 BS = 4
@@ -93,15 +94,17 @@ def test_one_relay_with_1000_sources() -> None:
                         waiting.discard(i)
             for i, socket in enumerate(engines):
                 first, second = _prompts(i)
-                hashes = chain(first, BS)
+                hashes = block_hashes(first, BS)
                 for seq, events in enumerate(
                     [
                         [stored(hashes, first)],
-                        [stored(chain(second, BS), second)],
+                        [stored(block_hashes(second, BS), second)],
                         [removed(hashes[-1:])],
                     ]
                 ):
-                    socket.send_multipart([b"", seq.to_bytes(8, "big"), vllm_batch(events, seq)])
+                    socket.send_multipart(
+                        [b"", seq.to_bytes(8, "big"), encoded(events, ts=TS0 + seq)]
+                    )
             while relay.stats["batches_in"] < 3 * SOURCES:
                 assert time.monotonic() < deadline, dict(relay.subscriber.stats)
                 relay.step(50)

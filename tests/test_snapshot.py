@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from support.engine import Engine, dump_rows, overlaps
+from support.prefix_closed import PrefixClosedEngine
+from support.reference import dump_rows, overlaps
 
 from kvbridge import Normalizer, TieredIndex
 
@@ -22,7 +23,7 @@ def blocks(index: TieredIndex) -> dict[str, list[str]]:
 
 
 def test_a_snapshot_rebuilds_the_index_the_stream_built() -> None:
-    engine = Engine(5, block_size=4)
+    engine = PrefixClosedEngine(5, block_size=4)
     normalizer, index = Normalizer(1, 4), TieredIndex(4)
     for seq, payload in enumerate(engine.payloads(300)):
         index.apply(normalizer.normalize(payload, seq))
@@ -35,7 +36,7 @@ def test_a_snapshot_rebuilds_the_index_the_stream_built() -> None:
     assert overlaps(fresh, engine.prompts) == overlaps(index, engine.prompts)
     # The snapshot opens with a clear: applied over a stale index, it replaces it.
     stale, other = TieredIndex(4), Normalizer(1, 4)
-    for seq, payload in enumerate(Engine(6, block_size=4).payloads(100)):
+    for seq, payload in enumerate(PrefixClosedEngine(6, block_size=4).payloads(100)):
         stale.apply(other.normalize(payload, seq))
     assert blocks(stale) != blocks(index)
     stale.apply(snapshot)

@@ -3,7 +3,7 @@ bind/connect (acceptance 2, 3, 6 and the vLLM bind rule).
 
 A :class:`Publisher` stands in for a vLLM engine; :class:`Relay` with an in-process
 ``TieredIndex`` consumes it, and the result is compared with the lossless index built from the
-same payloads without any socket (``tests/support/engine.py``).
+same payloads without any socket (``tests/support/reference.py``).
 
 Exact counters need a deterministic interleaving, so most tests publish in lock step: after each
 *delivered* batch they step the relay until it has seen that seq. A replay therefore happens
@@ -24,23 +24,17 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from support.engine import (
-    Engine,
-    chain,
-    dump_rows,
-    free_port,
-    index_of,
-    overlaps,
-    removed,
-    stored,
-    vllm_batch,
-)
+from support.reference import dump_rows, index_of, overlaps
 
 from kvbridge import TieredIndex
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.zmq import Message, Source, StreamReset, Subscriber
 from kvbridge.schemas.vllm import Event
+from kvbridge.testing.events import TS0, encoded, removed, stored
+from kvbridge.testing.vllm_hashes import block_hashes
+from kvbridge.testing.workload import seeded_stream
 
 BS = 4
 LOCAL = "tcp://127.0.0.1:0"
@@ -143,8 +137,8 @@ N = 300
 def test_dropped_batches_are_replayed_and_the_index_is_lossless(
     ctx: zmq.Context[zmq.Socket[bytes]], replay_topic_frame: bool
 ) -> None:
-    engine = Engine(seed=7, block_size=BS, clear_at=150)
-    payloads = engine.payloads(N)
+    stream = seeded_stream(7, N, block_size=BS, clear_at=150)
+    payloads = stream.payloads
     # 10% dropped, seeded; seq 0 and the last one delivered (a drop at the very end would never
     # be noticed, and a first message past 0 is tested on its own).
     drops = set(random.Random(2024).sample(range(1, N - 1), N // 10))
@@ -173,9 +167,9 @@ def test_dropped_batches_are_replayed_and_the_index_is_lossless(
     assert relay_stats == {"batches_in": N}
 
     reference = index_of(payloads, worker_id=1, block_size=BS)
-    assert_same_index(index, reference, engine.prompts)
+    assert_same_index(index, reference, stream.prompts)
     # The comparison is not vacuous: many prompts are cached, on both tiers.
-    found = overlaps(index, engine.prompts)
+    found = overlaps(index, stream.prompts)
     assert sum(1 for o in found if o) > 50
     assert any(o and o[1, 0][1] > o[1, 0][0] for o in found)
 
@@ -187,19 +181,19 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
     d, e, f = list(range(300, 308)), list(range(400, 404)), list(range(500, 508))
     g, h = list(range(600, 612)), list(range(700, 704))
     c_child = [*c, 220, 221, 222, 223]
-    ha, hb, hc, hf, hcc = (chain(p, BS) for p in (a, b, c, f, c_child))
+    ha, hb, hc, hf, hcc = (block_hashes(p, BS) for p in (a, b, c, f, c_child))
     batches: list[list[Event]] = [
         [stored(ha, a), stored(hb, b)],  # 0
         [stored(hc, c), stored(ha, a, medium="CPU")],  # 1
         [removed([x]) for x in reversed(ha)],  # 2 lost: A leaves the GPU
-        [stored(chain(d, BS), d)],  # 3 lost
+        [stored(block_hashes(d, BS), d)],  # 3 lost
         [removed([hb[-1]]), removed(ha, medium="CPU")],  # 4 lost: A leaves the CPU
-        [stored(chain(e, BS), e)],  # 5 lost
+        [stored(block_hashes(e, BS), e)],  # 5 lost
         [stored(hf, f)],  # 6 dropped, still in the buffer
-        [stored(chain(g, BS), g), stored(hcc[-1:], c_child[-4:], parent=hc[-1])],  # 7
-        [removed([hf[-1]]), stored(chain(h, BS), h)],  # 8
+        [stored(block_hashes(g, BS), g), stored(hcc[-1:], c_child[-4:], parent=hc[-1])],  # 7
+        [removed([hf[-1]]), stored(block_hashes(h, BS), h)],  # 8
     ]
-    payloads = [vllm_batch(events, step) for step, events in enumerate(batches)]
+    payloads = [encoded(events, ts=TS0 + step) for step, events in enumerate(batches)]
     prompts = [a, b, c, d, e, f, g, h, c_child]
 
     publisher, source = engine_publisher(ctx, buffer_steps=2)
@@ -243,9 +237,9 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
     # before the loss, except what the engine showed it still holds: batch 7 stores C's child
     # under C's last block, so C is announced again with it. The index is the one the batches
     # after the loss point build, with C's chain stored together with its child.
-    c_again = [stored(chain(g, BS), g), stored([*hc, *hcc[-1:]], c_child)]
+    c_again = [stored(block_hashes(g, BS), g), stored([*hc, *hcc[-1:]], c_child)]
     after_loss = index_of(
-        [payloads[6], vllm_batch(c_again, 7), payloads[8]], worker_id=1, block_size=BS
+        [payloads[6], encoded(c_again, ts=TS0 + 7), payloads[8]], worker_id=1, block_size=BS
     )
     assert_same_index(index, after_loss, prompts)
     assert overlaps(index, prompts) == [
@@ -262,8 +256,8 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
 
 
 def test_first_message_past_zero_replays_from_zero(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    engine = Engine(seed=11, block_size=BS)
-    payloads = engine.payloads(7)
+    stream = seeded_stream(11, 7, block_size=BS)
+    payloads = stream.payloads
     publisher, source = engine_publisher(ctx)
     index = TieredIndex(BS)
     with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
@@ -278,15 +272,15 @@ def test_first_message_past_zero_replays_from_zero(ctx: zmq.Context[zmq.Socket[b
 
     assert shape(seen) == [*((seq, True) for seq in range(6)), (6, False)]
     assert stats == {"messages": 2, "replays": 1, "replayed": 6, "duplicates": 1}
-    assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), engine.prompts)
-    assert any(overlaps(index, engine.prompts))
+    assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), stream.prompts)
+    assert any(overlaps(index, stream.prompts))
 
 
 def test_first_message_past_zero_without_replay_is_a_loss(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    engine = Engine(seed=12, block_size=BS)
-    payloads = engine.payloads(5)
+    stream = seeded_stream(12, 5, block_size=BS)
+    payloads = stream.payloads
     publisher, source = engine_publisher(ctx, replay=False)
     assert source.replay_endpoint is None
     index = TieredIndex(BS)
@@ -303,15 +297,15 @@ def test_first_message_past_zero_without_replay_is_a_loss(
     assert shape(seen) == [("lost", 3), (3, False), (4, False)]
     assert stats == {"messages": 2, "lost": 3}
     after_loss = index_of(payloads[3:], worker_id=1, block_size=BS)
-    assert_same_index(index, after_loss, engine.prompts)
+    assert_same_index(index, after_loss, stream.prompts)
 
 
 def test_replay_socket_that_never_answers_times_out_into_a_loss(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    payloads = [vllm_batch([stored(chain([i] * 4, BS), [i] * 4)], i) for i in range(4)]
+    payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(4)]
     publisher, served = engine_publisher(ctx, replay=False)
-    source = Source(served.endpoint, f"tcp://127.0.0.1:{free_port()}", 1)  # nobody serves it
+    source = Source(served.endpoint, f"tcp://127.0.0.1:{free_port_range(1)}", 1)  # nobody serves it
     with publisher, Subscriber([source], context=ctx, replay_timeout=0.3) as subscriber:
         assert publisher.wait_for_subscribers(timeout=TIMEOUT)
         publisher.publish(payloads[0])
@@ -339,8 +333,10 @@ def test_restart_clears_the_worker_at_the_first_new_message(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     a, b, c, d = (list(range(k * 100, k * 100 + 12)) for k in range(1, 5))
-    before = [vllm_batch([stored(chain(p, BS), p)], i) for i, p in enumerate((a, b))]
-    after = [vllm_batch([stored(chain(p, BS), p)], 10 + i) for i, p in enumerate((c, d))]
+    before = [encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate((a, b))]
+    after = [
+        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + 10 + i) for i, p in enumerate((c, d))
+    ]
     publisher, source = engine_publisher(ctx)
     index = TieredIndex(BS)
     with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
@@ -368,8 +364,8 @@ def test_restart_clears_the_worker_at_the_first_new_message(
 def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    engine = Engine(seed=5, block_size=BS)
-    payloads = engine.payloads(5)
+    stream = seeded_stream(5, 5, block_size=BS)
+    payloads = stream.payloads
     publisher, source = engine_publisher(ctx)
     index = TieredIndex(BS)
     with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
@@ -391,13 +387,15 @@ def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
     assert shape(seen) == [(0, False), *((seq, True) for seq in range(1, 5))]
     assert stats == {"messages": 4, "gaps": 1, "replays": 1, "replayed": 4, "duplicates": 3}
     assert batches_in == 5
-    assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), engine.prompts)
+    assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), stream.prompts)
 
 
 def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """A replay earlier in the stream must not turn a later restart into "duplicates"."""
     a, b, c, d = (list(range(k * 100, k * 100 + 12)) for k in range(1, 5))
-    payloads = [vllm_batch([stored(chain(p, BS), p)], i) for i, p in enumerate((a, b, c, d))]
+    payloads = [
+        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate((a, b, c, d))
+    ]
     publisher, source = engine_publisher(ctx)
     index = TieredIndex(BS)
     with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
@@ -425,7 +423,7 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
 
 # --------------------------------------------------------------------------- 3. bad frames
 
-VALID = vllm_batch([stored(chain([7] * 4, BS), [7] * 4)])
+VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)
 
 
 @pytest.mark.parametrize(
@@ -495,7 +493,7 @@ def test_every_kind_of_bad_frame_in_one_stream(ctx: zmq.Context[zmq.Socket[bytes
 
 
 def test_specific_host_makes_the_subscriber_bind(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    port = free_port()
+    port = free_port_range(1)
     source = Source(f"tcp://127.0.0.1:{port}", worker_id=2)
     assert source.subscriber_binds
     with (
@@ -518,7 +516,7 @@ def test_specific_host_makes_the_subscriber_bind(ctx: zmq.Context[zmq.Socket[byt
 def test_wildcard_host_makes_the_subscriber_connect_to_localhost(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    port = free_port()
+    port = free_port_range(1)
     source = Source(f"tcp://*:{port}", worker_id=2)
     assert not source.subscriber_binds
     # Bound on 127.0.0.1 only: the subscriber can only have connected to 127.0.0.1.

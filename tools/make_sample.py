@@ -17,7 +17,8 @@ import hashlib
 from pathlib import Path
 
 from kvbridge.adapters.capture import CaptureWriter
-from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch, encode_batch, layout_for
+from kvbridge.schemas.vllm import BlockHash, BlockStored
+from kvbridge.testing.events import encoded, placeholder, removed, stored
 
 BLOCK_SIZE = 4
 OUT = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
@@ -28,57 +29,45 @@ PROMPTS = {
 }
 
 
-class Engine:
-    """Chained sha256 block hashes with a per-engine seed, as vLLM computes them."""
-
-    def __init__(self, seed: bytes, *, as_bytes: bool) -> None:
-        self.seed = seed
-        self.as_bytes = as_bytes
-
-    def hashes(self, tokens: list[int]) -> list[int | bytes]:
-        parent = hashlib.sha256(self.seed).digest()
-        out: list[int | bytes] = []
-        for start in range(0, len(tokens) - len(tokens) % BLOCK_SIZE, BLOCK_SIZE):
-            block = repr(tuple(tokens[start : start + BLOCK_SIZE])).encode()
-            parent = hashlib.sha256(parent + block).digest()
-            out.append(parent if self.as_bytes else int.from_bytes(parent[-8:], "big"))
-        return out
+def sample_hashes(seed: bytes, tokens: list[int], *, as_bytes: bool) -> list[BlockHash]:
+    """Chained SHA-256 block hashes with a per-engine seed, over each block's ``repr``. Not
+    vLLM's pickle-based chain (:mod:`kvbridge.testing.vllm_hashes`): the sample's hashes are
+    fixed by the golden fixtures built from it (tests/fixtures/normalizer), which a change of
+    hash would rewrite; what the sample shows only needs two engines that disagree."""
+    parent = hashlib.sha256(seed).digest()
+    out: list[BlockHash] = []
+    for start in range(0, len(tokens) - len(tokens) % BLOCK_SIZE, BLOCK_SIZE):
+        block = repr(tuple(tokens[start : start + BLOCK_SIZE])).encode()
+        parent = hashlib.sha256(parent + block).digest()
+        out.append(parent if as_bytes else int.from_bytes(parent[-8:], "big"))
+    return out
 
 
-def stored(
-    hashes: list[int | bytes],
-    tokens: list[int],
-    parent: int | bytes | None = None,
-    medium: str = "GPU",
+def sample_stored(
+    hashes: list[BlockHash], tokens: list[int], parent: BlockHash | None = None, medium: str = "GPU"
 ) -> BlockStored:
-    return BlockStored(
-        hashes,
-        parent,
-        tokens[: len(hashes) * BLOCK_SIZE],
-        BLOCK_SIZE,
-        None,
-        medium,
-        None,
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
+    """A store of ``hashes`` with the tokens they cover and no extra keys."""
+    return stored(
+        hashes, tokens[: len(hashes) * BLOCK_SIZE], parent=parent, medium=medium, extra_keys=None
     )
 
 
 def main() -> None:
-    one, two = Engine(b"engine-1", as_bytes=False), Engine(b"engine-2", as_bytes=True)
     support, review, translate = PROMPTS.values()
-    s1, r1 = one.hashes(support), one.hashes(review)
-    s2, t2 = two.hashes(support), two.hashes(translate)
+    s1 = sample_hashes(b"engine-1", support, as_bytes=False)
+    r1 = sample_hashes(b"engine-1", review, as_bytes=False)
+    s2 = sample_hashes(b"engine-2", support, as_bytes=True)
+    t2 = sample_hashes(b"engine-2", translate, as_bytes=True)
     worker_1 = [
-        [stored(s1, support)],
-        [stored(r1[:2], review), stored(r1[2:], review[8:], parent=r1[1])],
-        [BlockStored(s1[2:4], None, [], 0, None, "CPU", None, group_idx=0)],
-        [BlockRemoved([h], "GPU", 0) for h in reversed(s1[2:])],
+        [sample_stored(s1, support)],
+        [sample_stored(r1[:2], review), sample_stored(r1[2:], review[8:], parent=r1[1])],
+        [placeholder(s1[2:4])],
+        [removed([h]) for h in reversed(s1[2:])],
     ]
     worker_2 = [
-        [stored(s2[:2], support), stored(t2, translate)],
-        [stored(t2, translate, medium="cpu")],
-        [BlockRemoved(t2[1:], "GPU", 0)],
+        [sample_stored(s2[:2], support), sample_stored(t2, translate)],
+        [sample_stored(t2, translate, medium="cpu")],
+        [removed(t2[1:])],
     ]
     meta = {
         "description": "Bundled kvbridge sample: two workers, CPU placeholders, mismatched hashes",
@@ -91,9 +80,7 @@ def main() -> None:
         for worker_id, release, batches in ((1, "0.32.0", worker_1), (2, "0.22.0", worker_2)):
             stream = f"tcp://127.0.0.1:{5556 + worker_id}"
             for seq, events in enumerate(batches):
-                payload = encode_batch(
-                    VllmBatch(1764000000.0 + seq, events, 0), layout_for(release)
-                )
+                payload = encoded(events, ts=1764000000.0 + seq, release=release)
                 capture.write(
                     [b"kv-events", seq.to_bytes(8, "big"), payload],
                     stream=stream,

@@ -18,6 +18,7 @@ from kvbridge.schemas.vllm import BlockHash
 __all__ = [
     "DEFAULT_HASH_SEED",
     "block_digests",
+    "block_hashes",
     "checked_token_ids",
     "none_hash",
     "published_hash",
@@ -65,6 +66,22 @@ def block_digests(
         )
         digests.append(parent)
     return digests
+
+
+def block_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    seed: bytes | str | None = None,
+    cache_salt: str | None = None,
+    as_bytes: bool = False,
+) -> list[BlockHash]:
+    """The hashes an engine seeded with ``seed`` publishes for the full blocks of ``tokens``
+    (:func:`block_digests` from :func:`none_hash`, in :func:`published_hash` form), for streams
+    written by hand."""
+    root = none_hash(seed)
+    digests = block_digests(tokens, block_size, root, cache_salt=cache_salt)
+    return [published_hash(digest, as_bytes=as_bytes) for digest in digests]
 
 
 def published_hash(digest: bytes, *, as_bytes: bool) -> BlockHash:

@@ -9,7 +9,6 @@
   TCP peers (read from ``/proc/net/tcp``). It stands in for ``Publisher.wait_for_subscribers``
   on the relay's own PUB sockets, which live in another process: Dynamo's ``upsert_worker``
   returns before its SUB is connected, and a batch published earlier is lost.
-* :func:`vllm_batch` and friends encode vLLM 0.32.0 frames with kvbridge's own encoder.
 """
 
 from __future__ import annotations
@@ -29,84 +28,20 @@ from typing import Self
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.schemas.vllm import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    VllmBatch,
-    encode_batch,
-    layout_for,
-)
-
 __all__ = [
-    "BLOCK_SIZE",
-    "LAYOUT",
     "RelayProcess",
     "Samples",
-    "cleared",
     "fetch_metrics",
     "kvbridge_command",
     "parse_metrics",
-    "placeholder",
     "port_of",
-    "removed",
-    "stored",
-    "vllm_batch",
     "wait_tcp_peers",
 ]
 
-BLOCK_SIZE = 4
-LAYOUT = layout_for("0.32.0")
 _START_TIMEOUT_S = 15.0
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 """``{(sample name, frozenset of label items): value}``."""
-
-
-# --------------------------------------------------------------------------- vLLM frames
-
-
-def stored(
-    hashes: Sequence[int | bytes],
-    tokens: Sequence[int],
-    *,
-    parent: int | bytes | None = None,
-    medium: str | None = "GPU",
-) -> BlockStored:
-    """A full ``BlockStored`` as vLLM 0.32 sends it (tokens for every block, block size 4)."""
-    return BlockStored(
-        list(hashes),
-        parent,
-        list(tokens),
-        BLOCK_SIZE,
-        None,
-        medium,
-        None,
-        [None] * len(hashes),
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-    )
-
-
-def placeholder(block_hash: int | bytes, medium: str = "CPU") -> BlockStored:
-    """An OffloadingConnector placeholder store: one chunk's last hash, no tokens, block size 0,
-    no parent (vllm-kv-events.md section 9)."""
-    return BlockStored([block_hash], None, [], 0, None, medium, None, group_idx=0)
-
-
-def removed(hashes: Sequence[int | bytes], *, medium: str | None = "GPU") -> BlockRemoved:
-    return BlockRemoved(list(hashes), medium, 0)
-
-
-def cleared() -> AllBlocksCleared:
-    return AllBlocksCleared()
-
-
-def vllm_batch(events: Sequence[Event], dp_rank: int = 0, ts: float | None = None) -> bytes:
-    """``encode_batch(VllmBatch(ts, events, dp_rank), layout_for("0.32.0"))``; ``ts`` is now by
-    default, so that the relay's lag stays small and non-negative."""
-    return encode_batch(VllmBatch(time.time() if ts is None else ts, list(events), dp_rank), LAYOUT)
 
 
 # --------------------------------------------------------------------------- ports

@@ -1,9 +1,9 @@
 """Deterministic vLLM-like worker streams, sent both to a real SelectionService and to kvbridge.
 
-A :class:`Engine` stands for one vLLM engine's hashing: a block's hash is a SHA-256 chain over
-the tokens (``digest_i = sha256(digest_{i-1} || LE u32 tokens_i)``, seeded per engine), sent as
-the last 8 bytes of the digest read big-endian, exactly how vLLM turns its digests into the
-u64 it publishes (vllm-kv-events.md 6.2), or as the raw 32-byte digest.
+A :class:`Chain` is one prompt as one engine hashes it: vLLM's ``sha256`` block-hash chain
+(:mod:`kvbridge.testing.vllm_hashes`, seeded per engine, a cache salt in the first block's extra
+keys), sent as the u64 vLLM makes of a digest or as the raw 32-byte digest, with builders of the
+events that name its blocks.
 
 A :class:`WorkerStream` owns one :class:`~kvbridge.adapters.publisher.Publisher` per dp rank,
 registers the worker with a :class:`~support.selection.SelectionHarness`, and sends every batch
@@ -16,7 +16,6 @@ on every tier.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -25,68 +24,39 @@ from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.zmq import Source
-from kvbridge.schemas.vllm import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    VllmBatch,
-    encode_batch,
-    layout_for,
-)
+from kvbridge.normalizers.hashing import engine_hash_u64
+from kvbridge.schemas.vllm import AllBlocksCleared, BlockStored, Event
+from kvbridge.testing.events import TS0, encoded, placeholder, removed, stored
+from kvbridge.testing.vllm_hashes import block_digests, none_hash
 from support.selection import Overlap, SelectionHarness, wait_connected
 
-__all__ = ["Chain", "Engine", "WorkerStream", "kvbridge_overlap"]
+__all__ = ["Chain", "WorkerStream", "kvbridge_overlap"]
 
 LOCAL = "tcp://127.0.0.1:0"
 SYNC_TIMEOUT_S = 5.0
-_TS0 = 1_700_000_000.0
 _SENTINEL_BASE = 3_000_000_000
 """Sentinel tokens live far above every prompt token (still u32)."""
-
-
-def _tokens_bytes(tokens: Sequence[int]) -> bytes:
-    return b"".join(token.to_bytes(4, "little") for token in tokens)
-
-
-class Engine:
-    """One engine's block hashing. Engines with the same ``seed`` hash identical prefixes
-    identically (vLLM >= 0.29 with sha256, or a shared ``PYTHONHASHSEED``)."""
-
-    def __init__(self, seed: bytes = b"vllm-none-hash") -> None:
-        self.seed = seed
-
-    def digests(
-        self, tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None
-    ) -> list[bytes]:
-        """The 32-byte digest of every full block. A salt enters the first block's hash."""
-        parent = hashlib.sha256(self.seed).digest()
-        out: list[bytes] = []
-        for start in range(0, len(tokens) - block_size + 1, block_size):
-            extra = cache_salt.encode() if cache_salt and not out else b""
-            parent = hashlib.sha256(
-                parent + _tokens_bytes(tokens[start : start + block_size]) + extra
-            ).digest()
-            out.append(parent)
-        return out
-
-    def chain(
-        self, tokens: Sequence[int], block_size: int, *, cache_salt: str | None = None
-    ) -> Chain:
-        return Chain(self, list(tokens), block_size, cache_salt)
 
 
 class Chain:
     """One prompt as one engine sees it: tokens, per-block hashes, and event builders."""
 
     def __init__(
-        self, engine: Engine, tokens: list[int], block_size: int, cache_salt: str | None
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        *,
+        seed: bytes | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        self.tokens = tokens
+        """``seed`` plays ``PYTHONHASHSEED``: chains of engines with the same seed (vLLM 0.29+'s
+        default by default) hash identical prefixes identically."""
+        self.tokens = list(tokens)
         self.block_size = block_size
         self.cache_salt = cache_salt
-        self.digests = engine.digests(tokens, block_size, cache_salt=cache_salt)
-        self.hashes = [int.from_bytes(digest[-8:], "big") for digest in self.digests]
+        root = none_hash(seed)
+        self.digests = block_digests(self.tokens, block_size, root, cache_salt=cache_salt)
+        self.hashes = [engine_hash_u64(digest) for digest in self.digests]
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -118,41 +88,27 @@ class Chain:
             # vLLM publishes the raw salt, untagged, on the first block only (facts 7.3).
             extra_keys = [[self.cache_salt]] + [None] * (stop - start - 1)
         bs = self.block_size
-        return BlockStored(
-            block_hashes=[self._hash(i, as_bytes) for i in range(start, stop)],
-            parent_block_hash=parent,
-            token_ids=self.tokens[start * bs : stop * bs],
+        return stored(
+            [self._hash(i, as_bytes) for i in range(start, stop)],
+            self.tokens[start * bs : stop * bs],
+            parent=parent,
             block_size=bs,
-            lora_id=None,
             medium=medium,
-            lora_name=None,
             extra_keys=extra_keys,
-            group_idx=0,
-            kv_cache_spec_kind="full_attention",
         )
 
     def placeholder(self, index: int, *, medium: str = "CPU", as_bytes: bool = False) -> Event:
         """An OffloadingConnector placeholder store: the chunk's (here: one block's) hash,
         no tokens, block_size 0, no parent (vllm-kv-events.md 9)."""
-        return BlockStored(
-            block_hashes=[self._hash(index, as_bytes)],
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=0,
-            lora_id=None,
-            medium=medium,
-            group_idx=0,
-        )
+        return placeholder([self._hash(index, as_bytes)], medium=medium)
 
     def evicted(self, *indices: int, medium: str = "GPU", as_bytes: bool = False) -> list[Event]:
         """GPU evictions: one ``BlockRemoved`` per hash, in the order given."""
-        return [
-            BlockRemoved([self._hash(i, as_bytes)], medium=medium, group_idx=0) for i in indices
-        ]
+        return [removed([self._hash(i, as_bytes)], medium=medium) for i in indices]
 
     def removed(self, *indices: int, medium: str = "CPU", as_bytes: bool = False) -> Event:
         """An offload tier's removal: several hashes in one event."""
-        return BlockRemoved([self._hash(i, as_bytes) for i in indices], medium=medium, group_idx=0)
+        return removed([self._hash(i, as_bytes) for i in indices], medium=medium)
 
 
 def kvbridge_overlap(index: TieredIndex, tokens: Sequence[int], **kwargs: Any) -> Overlap:
@@ -183,7 +139,7 @@ class WorkerStream:
         self.index = index
         self.worker_id = worker_id
         self.block_size = block_size
-        self.layouts = {rank: layout_for((releases or {}).get(rank, release)) for rank in ranks}
+        self.releases = {rank: (releases or {}).get(rank, release) for rank in ranks}
         self.pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
         self.normalizer = self.pipeline.worker(worker_id).normalizer
         self.publishers: dict[int, Publisher] = {}
@@ -208,7 +164,7 @@ class WorkerStream:
         """Publish one batch on ``rank``'s publisher and feed the same bytes to kvbridge."""
         pub = self.publishers[rank]
         seq = pub.next_seq
-        payload = encode_batch(VllmBatch(_TS0 + seq, list(events), rank), self.layouts[rank])
+        payload = encoded(events, dp_rank=rank, ts=TS0 + seq, release=self.releases[rank])
         assert pub.publish(payload) == seq
         self.pipeline.feed_batch(self.sources[rank], payload, seq)
         assert not self.pipeline.stats["bad_frame:schema"], f"batch {seq} does not decode"
@@ -224,7 +180,7 @@ class WorkerStream:
         targets = []
         for rank in self.publishers:
             token = _SENTINEL_BASE + self.worker_id * 100_000 + rank * 10_000 + self._sentinels
-            chain = Engine(b"sentinel").chain([token] * (3 * self.block_size), self.block_size)
+            chain = Chain([token] * (3 * self.block_size), self.block_size, seed=b"sentinel")
             self.send(
                 [
                     chain.stored(0, 1),
