@@ -4,21 +4,17 @@ again: a store whose parent chain the normalizer knows by identity announces tha
 from __future__ import annotations
 
 from kvbridge import Normalizer, Tier, TieredIndex
-from kvbridge.schemas.vllm import BlockStored, Event, VllmBatch, encode_batch, layout_for
+from kvbridge.schemas.vllm import BlockStored
+from kvbridge.testing.events import encoded, stored
 
 BS = 4
-LAYOUT = layout_for("0.32.0")
 PROMPT = list(range(100, 100 + 6 * BS))
-
-
-def payload(events: list[Event]) -> bytes:
-    return encode_batch(VllmBatch(0.0, events, 0), LAYOUT)
 
 
 def store(first: int, last: int, parent: int | None, medium: str = "GPU") -> BlockStored:
     """Blocks ``first..last-1`` of PROMPT, engine hash ``10 + i`` for block ``i``."""
     hashes = [10 + i for i in range(first, last)]
-    return BlockStored(hashes, parent, PROMPT[first * BS : last * BS], BS, None, medium)
+    return stored(hashes, PROMPT[first * BS : last * BS], parent=parent, medium=medium)
 
 
 def device(index: TieredIndex, tokens: list[int]) -> dict[tuple[int, int], int]:
@@ -27,7 +23,7 @@ def device(index: TieredIndex, tokens: list[int]) -> dict[tuple[int, int], int]:
 
 def test_a_store_on_a_chain_known_before_the_loss_announces_the_chain_again() -> None:
     normalizer, index = Normalizer(1, BS), TieredIndex(BS)
-    index.apply(normalizer.normalize(payload([store(0, 4, None)]), 1))
+    index.apply(normalizer.normalize(encoded([store(0, 4, None)]), 1))
     assert device(index, PROMPT) == {(1, 0): 4}
 
     # Batches were lost for good: downstream is cleared, identities are kept.
@@ -35,7 +31,7 @@ def test_a_store_on_a_chain_known_before_the_loss_announces_the_chain_again() ->
     assert index.overlap(PROMPT) == {}
 
     # The engine extends its cached blocks 0-3 with block 4: it holds the whole chain.
-    events = normalizer.normalize(payload([store(4, 5, parent=13)]), 2)
+    events = normalizer.normalize(encoded([store(4, 5, parent=13)]), 2)
     [announced] = events
     assert announced.event.data.stored is not None
     assert announced.event.data.stored.parent_hash is None
@@ -50,11 +46,11 @@ def test_a_store_on_a_chain_known_before_the_loss_announces_the_chain_again() ->
 
 def test_only_the_part_of_the_chain_not_resident_is_announced() -> None:
     normalizer, index = Normalizer(1, BS), TieredIndex(BS)
-    index.apply(normalizer.normalize(payload([store(0, 4, None)]), 1))
+    index.apply(normalizer.normalize(encoded([store(0, 4, None)]), 1))
     index.apply(normalizer.process_reset(0, keep_identities=True))
     # Blocks 0-1 are stored again first, then a store under block 3 arrives.
-    index.apply(normalizer.normalize(payload([store(0, 2, None)]), 2))
-    events = normalizer.normalize(payload([store(4, 5, parent=13)]), 3)
+    index.apply(normalizer.normalize(encoded([store(0, 2, None)]), 2))
+    events = normalizer.normalize(encoded([store(4, 5, parent=13)]), 3)
     [announced] = events
     assert announced.event.data.stored is not None
     assert announced.event.data.stored.parent_hash == index_block_hash(normalizer, 1)
@@ -73,8 +69,8 @@ def index_block_hash(normalizer: Normalizer, block: int) -> int:
 
 def test_without_keeping_identities_the_store_is_an_orphan() -> None:
     normalizer = Normalizer(1, BS)
-    normalizer.normalize(payload([store(0, 4, None)]), 1)
+    normalizer.normalize(encoded([store(0, 4, None)]), 1)
     normalizer.process_reset(0)
-    assert normalizer.normalize(payload([store(4, 5, parent=13)]), 2) == []
+    assert normalizer.normalize(encoded([store(4, 5, parent=13)]), 2) == []
     assert normalizer.stats == {"orphan_parent": 1}
     assert normalizer.reanchored_blocks == 0

@@ -4,21 +4,10 @@ made consistent downstream and counted: a forgotten rank is cleared, an evicted 
 from __future__ import annotations
 
 from kvbridge import Normalizer, Tier, TieredIndex
-from kvbridge.schemas.vllm import (
-    BlockRemoved,
-    BlockStored,
-    Event,
-    VllmBatch,
-    encode_batch,
-    layout_for,
-)
+from kvbridge.schemas.vllm import BlockStored
+from kvbridge.testing.events import encoded, removed, stored
 
 BS = 4
-LAYOUT = layout_for("0.32.0")
-
-
-def payload(events: list[Event], rank: int | None = None) -> bytes:
-    return encode_batch(VllmBatch(0.0, events, rank), LAYOUT)
 
 
 def chain(first_hash: int, blocks: int, salt: str | None = None) -> BlockStored:
@@ -26,7 +15,7 @@ def chain(first_hash: int, blocks: int, salt: str | None = None) -> BlockStored:
     tokens = [first_hash % 100_000 + 1] + [7] * (blocks * BS - 1)
     extra = [[salt]] + [None] * (blocks - 1) if salt else None
     hashes = list(range(first_hash, first_hash + blocks))
-    return BlockStored(hashes, None, tokens, BS, None, "GPU", None, extra)
+    return stored(hashes, tokens, extra_keys=extra)
 
 
 def kinds(events: list[object]) -> list[str]:
@@ -41,11 +30,11 @@ def test_distinct_dp_ranks_past_the_cap_clear_the_least_recent_rank() -> None:
     normalizer = Normalizer(1, BS, max_ranks=8)
     index = TieredIndex(BS)
     for rank in range(8):
-        index.apply(normalizer.normalize(payload([chain(1000 * rank + 1, 1)], rank), rank))
+        index.apply(normalizer.normalize(encoded([chain(1000 * rank + 1, 1)], dp_rank=rank), rank))
     assert normalizer.dp_ranks == list(range(8))
     # Rank 0 is written again, so rank 1 is now the least recently written.
-    index.apply(normalizer.normalize(payload([chain(50_001, 1)], 0), 8))
-    events = normalizer.normalize(payload([chain(9001, 1)], 9), 9)
+    index.apply(normalizer.normalize(encoded([chain(50_001, 1)], dp_rank=0), 8))
+    events = normalizer.normalize(encoded([chain(9001, 1)], dp_rank=9), 9)
     assert kinds(events) == ["cleared"] * 4 + ["stored"]
     assert {event.dp_rank for event in events[:4]} == {1}
     index.apply(events)
@@ -54,7 +43,7 @@ def test_distinct_dp_ranks_past_the_cap_clear_the_least_recent_rank() -> None:
     assert (1, 1) not in index.overlap([1001 % 100_000 + 1] + [7] * (BS - 1))
 
     for rank in range(10, 100_010):
-        normalizer.normalize(payload([], rank), rank)
+        normalizer.normalize(encoded([], dp_rank=rank), rank)
     assert len(normalizer.dp_ranks) == 8
     assert normalizer.evictions["ranks"] == 1 + 100_000
 
@@ -63,7 +52,7 @@ def test_stores_without_removals_evict_the_oldest_blocks_and_remove_them() -> No
     normalizer = Normalizer(1, BS, max_blocks=1_600)
     index = TieredIndex(BS)
     for step in range(100):
-        index.apply(normalizer.normalize(payload([chain(1 + step * 64, 64)]), step))
+        index.apply(normalizer.normalize(encoded([chain(1 + step * 64, 64)], dp_rank=None), step))
     live, _ = normalizer.tracked_blocks()
     assert live <= 1_600
     evicted = normalizer.evictions["blocks"]
@@ -83,16 +72,18 @@ def test_distinct_salts_past_the_cap_compact_or_drop() -> None:
     normalizer = Normalizer(1, BS, max_contexts=4)
     # Three salted chains, each removed again: their salts are unused afterwards.
     for step in range(3):
-        normalizer.normalize(payload([chain(1 + 10 * step, 1, salt=f"s{step}")]), step)
-        normalizer.normalize(payload([BlockRemoved([1 + 10 * step], "GPU")]), step)
+        normalizer.normalize(
+            encoded([chain(1 + 10 * step, 1, salt=f"s{step}")], dp_rank=None), step
+        )
+        normalizer.normalize(encoded([removed([1 + 10 * step])], dp_rank=None), step)
     # The table (the unsalted pair and three salts) is full: a fourth salt compacts it.
-    out = normalizer.normalize(payload([chain(101, 1, salt="s3")]), 10)
+    out = normalizer.normalize(encoded([chain(101, 1, salt="s3")], dp_rank=None), 10)
     assert kinds(out) == ["stored"] and out[0].cache_salt == "s3"
     assert normalizer.evictions["context_compactions"] == 1
     # Salts in use are kept: with s3..s5 resident the table is full of pairs in use, and a
     # store that needs a new one is dropped and counted.
-    normalizer.normalize(payload([chain(201, 1, salt="s4")]), 11)
-    normalizer.normalize(payload([chain(301, 1, salt="s5")]), 12)
-    assert normalizer.normalize(payload([chain(401, 2, salt="s6")]), 13) == []
+    normalizer.normalize(encoded([chain(201, 1, salt="s4")], dp_rank=None), 11)
+    normalizer.normalize(encoded([chain(301, 1, salt="s5")], dp_rank=None), 12)
+    assert normalizer.normalize(encoded([chain(401, 2, salt="s6")], dp_rank=None), 13) == []
     assert normalizer.stats["state_cap"] == 2
     assert normalizer.resident_blocks(0, Tier.DEVICE) == 3

@@ -7,7 +7,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvbridge.schemas.vllm import BlockHash, BlockRemoved, BlockStored, Event
+from kvbridge.schemas.vllm import BlockHash, BlockStored, Event
+from kvbridge.testing.events import placeholder, removed, stored
 from kvbridge.testing.vllm_hashes import published_hash
 
 __all__ = ["CpuTier"]
@@ -154,7 +155,7 @@ class CpuTier:
             del self._blocks[digest]
         if evict:
             self.events.append(
-                BlockRemoved(
+                removed(
                     [self._wire(digest) for digest in evict],
                     medium="CPU",
                     group_idx=self._group_idx,
@@ -176,27 +177,21 @@ class CpuTier:
         self._in_flight, self._offloading = self._offloading, []
 
     def _stored(self, offload: _Offload) -> BlockStored:
+        """The offloaded block's store: self-describing (without extra keys), or a
+        placeholder."""
+        block_hash = self._wire(offload.digest)
         if self._self_describing:
-            return BlockStored(
-                [self._wire(offload.digest)],
-                None if offload.parent is None else self._wire(offload.parent),
+            return stored(
+                [block_hash],
                 offload.tokens,
-                self._block_size,
-                None,
+                parent=None if offload.parent is None else self._wire(offload.parent),
+                block_size=self._block_size,
                 medium="CPU",
-                lora_name=None,
+                extra_keys=None,
                 group_idx=self._group_idx,
-                kv_cache_spec_kind="full_attention",
             )
-        return BlockStored(
-            [self._wire(offload.digest)],
-            None,
-            [],
-            self._placeholder_size,
-            None,
-            medium="CPU",
-            lora_name=None,
-            group_idx=self._group_idx,
+        return placeholder(
+            [block_hash], block_size=self._placeholder_size, group_idx=self._group_idx
         )
 
     def clear(self) -> None:

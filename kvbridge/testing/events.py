@@ -122,7 +122,7 @@ def batch(
 def encoded(
     events: Sequence[Event],
     *,
-    dp_rank: int = 0,
+    dp_rank: int | None = 0,
     ts: float | None = None,
     release: str = RELEASE,
 ) -> bytes:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvbridge.schemas.vllm import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from kvbridge.schemas.vllm import AllBlocksCleared, BlockHash, Event
+from kvbridge.testing.events import removed, stored
 from kvbridge.testing.vllm_hashes import published_hash
 
 __all__ = ["GpuBlock", "GpuPool"]
@@ -85,7 +86,7 @@ class GpuPool:
         if not copies:
             del self._cached[digest]
         block.digest = None
-        self.events.append(BlockRemoved([self._wire(digest)], medium="GPU", group_idx=0))
+        self.events.append(removed([self._wire(digest)]))
 
     def cache(
         self,
@@ -101,17 +102,11 @@ class GpuPool:
             block.digest = digest
             self._cached.setdefault(digest, {})[block.block_id] = block
         self.events.append(
-            BlockStored(
+            stored(
                 [self._wire(digest) for digest in digests],
-                None if parent is None else self._wire(parent),
                 tokens,
-                block_size,
-                None,
-                medium="GPU",
-                lora_name=None,
-                extra_keys=[None] * len(digests),
-                group_idx=0,
-                kv_cache_spec_kind="full_attention",
+                parent=None if parent is None else self._wire(parent),
+                block_size=block_size,
             )
         )
 
