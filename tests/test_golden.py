@@ -26,7 +26,6 @@ Fixtures: tests/fixtures/vllm-0.32.0 (tools/vllm_cpu/README.md). Facts: dynamo-i
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -59,7 +58,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
 Scores = dict[tuple[int, int], Overlap]
 
 
-@functools.cache
 def golden(name: str) -> Golden:
     return load(name)
 
@@ -90,7 +88,6 @@ class Replay:
     non_zero: int = 0
 
 
-@functools.cache
 def replay(group: str) -> Replay:
     """Replay ``group`` and assert, after every batch, that the index's overlap of every prompt
     of the group's manifests equals the reference's."""

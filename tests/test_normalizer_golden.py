@@ -12,7 +12,6 @@ step differs. Only the public API is used, so the test holds for any implementat
 from __future__ import annotations
 
 import difflib
-import functools
 import hashlib
 import json
 import lzma
@@ -42,7 +41,6 @@ def canonical_digest(payloads: list[bytes]) -> str:
     return digest(b"".join(len(p).to_bytes(4, "little") + p for p in payloads))
 
 
-@functools.cache
 def expectation(name: str) -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads((FIXTURES / "streams" / f"{name}.json").read_text())
     return loaded

@@ -28,7 +28,6 @@ the first divergence, so that it fails as soon as the simulator does reproduce i
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
@@ -40,17 +39,14 @@ from support.twin import Event, TwinRun, real_events, run_twin
 _K = TypeVar("_K", bound=Hashable)
 
 
-@functools.cache
 def golden(name: str) -> Golden:
     return load(name)
 
 
-@functools.cache
 def twin(name: str) -> TwinRun:
     return run_twin(golden(name))
 
 
-@functools.cache
 def reference(name: str) -> Reference:
     ref = Reference()
     for _, payload in golden(name).payloads():
