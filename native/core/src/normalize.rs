@@ -496,7 +496,7 @@ impl Normalizer {
         for event in &batch.events {
             match event {
                 Event::Removed(removed) => {
-                    let Some(tier) = self.admit_removal(&rank, removed, arena) else {
+                    let Some(tier) = self.admit_removal(&mut rank, removed, arena) else {
                         continue;
                     };
                     if gone_tier != Some(tier) && !gone.is_empty() {
@@ -561,7 +561,7 @@ impl Normalizer {
 
     fn admit_removal(
         &mut self,
-        rank: &Rank,
+        rank: &mut Rank,
         removed: &Removed<'_>,
         _arena: &Arena,
     ) -> Option<Tier> {
@@ -595,7 +595,7 @@ impl Normalizer {
     /// The tier of an event, or the reason it is not indexed.
     fn judge(
         &self,
-        rank: &Rank,
+        rank: &mut Rank,
         medium: Option<&str>,
         locality: Option<&str>,
         group: Option<u32>,
@@ -615,14 +615,22 @@ impl Normalizer {
                 return (Some(tier), Some(reason));
             }
         }
-        let spec = match (spec, group) {
-            (Some(spec), _) => Some(spec),
-            (None, Some(group)) => rank.group_kinds.get(&group).map(|kind| &**kind),
-            (None, None) => None,
-        };
-        let main = match spec {
-            Some(spec) => self.main_kinds.iter().any(|kind| &**kind == spec),
-            None => matches!(group, None | Some(0)),
+        let is_main = |spec: &str| self.main_kinds.iter().any(|kind| &**kind == spec);
+        let main = match (spec, group) {
+            (Some(spec), _) => is_main(spec),
+            // A group's kind is the one stores named it with; group 0 is main without one.
+            (None, Some(group)) => match rank.group_main {
+                Some((cached, main)) if cached == group => main,
+                _ => {
+                    let main = rank
+                        .group_kinds
+                        .get(&group)
+                        .map_or(group == 0, |kind| is_main(kind));
+                    rank.group_main = Some((group, main));
+                    main
+                }
+            },
+            (None, None) => true,
         };
         (Some(tier), (!main).then_some(DropReason::NonMainGroup))
     }
@@ -642,6 +650,7 @@ impl Normalizer {
         if let (Some(spec), Some(group)) = (stored.spec_kind, stored.group_idx) {
             if rank.group_kinds.get(&group).map(|kind| &**kind) != Some(spec) {
                 rank.group_kinds.insert(group, Box::from(spec));
+                rank.group_main = None;
             }
         }
         let verdict = self.judge(

@@ -173,6 +173,9 @@ pub struct Rank {
     next_order: u32,
     /// The kind of each KV-cache group, as stores named it.
     pub group_kinds: Map<u32, Box<str>>,
+    /// The last group an event named without a kind, and whether it is a main group: what
+    /// [`Rank::group_kinds`] says of it, kept until the kinds change.
+    pub group_main: Option<(u32, bool)>,
     /// Engine hashes that were live when the rank was last cleared.
     pub cleared: Set<u64>,
     /// After a loss: the blocks the rank held, by canonical hash, whose residency is unknown.
@@ -195,6 +198,7 @@ impl Rank {
             retired_count: 0,
             next_order: 0,
             group_kinds: map(),
+            group_main: None,
             cleared: set(),
             anchors: map(),
         }
