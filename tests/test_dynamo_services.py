@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.relay import RelayProcess, wait_tcp_peers
+from support.relay import RelayProcess, stop_process, wait_tcp_peers
 
 from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.dynamo import TieredIndex
@@ -135,13 +135,7 @@ class Service:
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)
         self._log.close()
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "kvbridge_command",
     "parse_metrics",
     "port_of",
+    "stop_process",
     "wait_tcp_peers",
 ]
 
@@ -98,6 +99,18 @@ def fetch_metrics(port: int, timeout: float = 2.0) -> str:
 
 
 # --------------------------------------------------------------------------- subprocesses
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """SIGTERM ``process``, then SIGKILL it if it has not exited after ``timeout`` s, so that no
+    test leaves a subprocess behind. Nothing happens if it has exited already."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
 
 
 def kvbridge_command(*args: str) -> list[str]:
@@ -166,13 +179,7 @@ class RelayProcess:
 
     def close(self) -> None:
         """SIGTERM, then SIGKILL after 5 s. Idempotent."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)
         self._log.close()
 
     def __enter__(self) -> Self:
