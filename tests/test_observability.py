@@ -135,6 +135,7 @@ def test_router_metrics_as_ray_exports_them() -> None:
         "ray_kvbridge_router_overlap_blocks_bucket": {"deployment", "tier", "le"},
         "ray_kvbridge_router_overlap_blocks_sum": {"deployment", "tier"},
         "ray_kvbridge_router_overlap_blocks_count": {"deployment", "tier"},
+        "ray_kvbridge_router_token_checks_total": {"deployment", "outcome"},
     }
 
 

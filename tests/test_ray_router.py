@@ -32,6 +32,7 @@ from kvbridge.ray_integration import (  # noqa: E402
     worker_id_for,
 )
 from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
+from kvbridge.schemas import Overlap  # noqa: E402
 
 BLOCK_SIZE = 16
 GPU_BLOCKS = 128  # room for about 3 sessions per replica: the rest goes to CPU
@@ -52,7 +53,12 @@ def ray_cluster() -> Iterator[None]:
 
 
 def deploy(
-    router: type | None, *, app: str = APP, select_timeout_s: float = 1.0, num_replicas: int = 3
+    router: type | None,
+    *,
+    app: str = APP,
+    select_timeout_s: float = 1.0,
+    num_replicas: int = 3,
+    token_shift: int = 0,
 ) -> Any:
     """Run the app: ``router=None`` keeps Serve's default (power of two choices). Serve keeps
     one router per deployment per process, so each router needs an app name of its own."""
@@ -69,7 +75,7 @@ def deploy(
             request_routing_stats_period_s=0.5,
         )
     bound = serve.deployment(**options)(SimulatedReplica).bind(
-        block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS
+        block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS, token_shift=token_shift
     )
     return serve.run(bound, name=app, route_prefix=None)
 
@@ -180,6 +186,28 @@ def test_session_affinity_against_power_of_two(affinity_run: AffinityRun) -> Non
     ]
     wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
     assert state.reservations == 0
+    # Every completed request's prompt is in Dynamo's index for its replica, from the engine's
+    # own token ids: the router tokenized (here: passed on) what the engine ran.
+    checks = state.stats.token_checks
+    wait_until(lambda: sum(checks.values()) == SESSIONS * TURNS, what="token checks")
+    assert checks == Counter(confirmed=SESSIONS * TURNS)
+
+
+def test_a_tokenizer_mismatch_is_counted(ray_cluster: None) -> None:
+    """Engines that run other token ids than the router hashed (a test double: each shifts
+    every prompt token by one) store blocks the router's prompts never match: every decision
+    finds zero hits, and the router's token check says why, request by request."""
+    handle = deploy(DynamoKVRouter, app="shifted", token_shift=1)
+    state = wait_registered(handle, replica_ids(handle, 3), app="shifted")
+    prompt = list(range(1000, 1000 + 3 * BLOCK_SIZE + 5))
+    for _ in range(3):
+        handle.remote(prompt_token_ids=prompt, max_tokens=2).result()
+    checks = state.stats.token_checks
+    wait_until(lambda: sum(checks.values()) == 3, what="token checks")
+    assert checks == Counter(unconfirmed=3)
+    decisions = list(state.stats.decisions)[-3:]
+    assert [d.overlap for d in decisions] == [Overlap(0, 0, 0)] * 3
+    serve.delete("shifted")
 
 
 def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -> None:

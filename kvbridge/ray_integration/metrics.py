@@ -9,6 +9,9 @@
 ``kvbridge_router_overlap_blocks{tier}``
     The picked replica's overlap with the prompt, in blocks, cumulative over tiers
     (``device``, ``host_pinned``, ``disk``), one observation per Dynamo decision.
+``kvbridge_router_token_checks_total{outcome}``
+    Completed requests whose prompt the engine reported storing as the router tokenized it:
+    ``confirmed``, ``partial`` or ``unconfirmed`` (see ``RouterStats.token_checks``).
 
 Every series carries a ``deployment`` tag (``app#deployment``).
 """
@@ -54,8 +57,23 @@ class RouterMetrics:
             boundaries=OVERLAP_BOUNDARIES,
             tag_keys=("deployment", "tier"),
         )
-        for metric in (self._decisions, self._fallbacks, self._latency, self._overlap):
+        self._token_checks = Counter(
+            "kvbridge_router_token_checks_total",
+            "Completed requests by whether the engine stored the prompt as the router hashed it.",
+            tag_keys=("deployment", "outcome"),
+        )
+        for metric in (
+            self._decisions,
+            self._fallbacks,
+            self._latency,
+            self._overlap,
+            self._token_checks,
+        ):
             metric.set_default_tags(tags)
+
+    def record_token_check(self, outcome: str) -> None:
+        """One completed request's check: ``confirmed``, ``partial`` or ``unconfirmed``."""
+        self._token_checks.inc(tags={"outcome": outcome})
 
     def record(self, overlap: Overlap | None, fallback: str | None, latency_s: float) -> None:
         """One decision: Dynamo's (with the pick's ``overlap``) or a ``fallback`` by reason."""

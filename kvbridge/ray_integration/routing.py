@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -119,6 +120,13 @@ class RouterStats:
     """``registered``, ``deregistered``, ``rejected:<why>``, ``freed``, ``late_freed`` (after a
     timeout), ``moved`` (to the replica Serve used), ``expired``, ``free_failed``."""
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=_DECISION_LOG))
+    token_checks: Counter[str] = field(default_factory=Counter)
+    """After each completed request, whether the engine reported storing the prompt the router
+    hashed (Dynamo's index, fed by the engine's own token ids, read for the serving worker):
+    ``confirmed`` (every full block), ``partial`` (a leading part: evicted since, or token ids
+    that diverge midway), ``unconfirmed`` (none: the router's token ids are not the engine's,
+    so every decision for such prompts finds zero hits). Prompts without a full block are not
+    checked."""
 
 
 @dataclass
@@ -147,6 +155,9 @@ class RoutingState:
         reservation_ttl_s: a reservation whose completion never arrives is freed after this.
         indexer_threads: the service's indexer threads.
         tuning: Dynamo's router weights (see :data:`kvbridge.adapters.selection.TUNING_ENV`).
+        token_check_delay_s: how long after a request completed its prompt is looked up (see
+            :attr:`RouterStats.token_checks`): time for the engine's events to reach Dynamo.
+            ``None``: no checks.
     """
 
     def __init__(
@@ -159,8 +170,10 @@ class RoutingState:
         reservation_ttl_s: float = 3600.0,
         indexer_threads: int | None = None,
         tuning: Mapping[str, float] | None = None,
+        token_check_delay_s: float | None = 0.5,
     ) -> None:
         self.deployment = deployment
+        self.token_check_delay_s = token_check_delay_s
         self.block_size = block_size
         self.model_name = model_name
         self.select_timeout_s = select_timeout_s
@@ -174,6 +187,8 @@ class RoutingState:
         self._seen_stats: dict[str, Mapping[str, Any]] = {}
         self._freeing: set[concurrent.futures.Future[Any]] = set()
         """Frees submitted and not yet applied: a selection waits for them (see _select)."""
+        self._checking: set[concurrent.futures.Future[None]] = set()
+        """Token checks waiting for their delay or for Dynamo (see _check_tokens)."""
         self._reservations: OrderedDict[str, _Reservation] = OrderedDict()
         self._selection_ids = itertools.count()
         self._registry_lock: asyncio.Lock | None = None
@@ -550,6 +565,43 @@ class RoutingState:
             held = self._reservations.pop(request_id, None)
         if held is not None:
             self._free(held.choice.selection_id, "freed")
+            self._check_tokens(held)
+
+    def _check_tokens(self, held: _Reservation) -> None:
+        """Count whether the serving worker's engine stored ``held``'s prompt, as the router
+        tokenized it (:attr:`RouterStats.token_checks`), once its events had time to arrive."""
+        full = len(held.prompt["block_hashes"])
+        delay = self.token_check_delay_s
+        if delay is None or full == 0:
+            return
+        worker_id = held.choice.worker_id
+
+        async def check() -> None:
+            await asyncio.sleep(delay)
+            scores = await self.client.service.overlap_scores(held.prompt)
+            seen = max(
+                (
+                    int(entry["host_pinned_blocks"])
+                    for entry in scores["workers"]
+                    if int(entry["worker_id"]) == worker_id
+                ),
+                default=0,
+            )
+            outcome = "confirmed" if seen >= full else "partial" if seen else "unconfirmed"
+            self.stats.token_checks[outcome] += 1
+            self.metrics.record_token_check(outcome)
+
+        def done(future: concurrent.futures.Future[None]) -> None:
+            with self._lock:
+                self._checking.discard(future)
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("token check failed", error=str(future.exception()))
+
+        with contextlib.suppress(RuntimeError):  # the client closed: nothing left to check
+            future = self.client.run(check())
+            with self._lock:
+                self._checking.add(future)
+            future.add_done_callback(done)
 
     @property
     def reservations(self) -> int:
@@ -585,6 +637,10 @@ class RoutingState:
         future.add_done_callback(done)
 
     def close(self) -> None:
+        with self._lock:
+            checking = list(self._checking)
+        for future in checking:  # cancelled on the service's loop before it stops
+            future.cancel()
         self.client.close()
 
 

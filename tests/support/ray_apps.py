@@ -108,10 +108,19 @@ class SimulatedReplica(KVEventsReplica):
     With ``dp_size`` > 1 it holds one engine per data-parallel rank, on consecutive ports as
     vLLM offsets them, and a request runs on the rank its ``data_parallel_rank`` names (rank 0
     without it).
+
+    ``token_shift`` makes it a test double of an engine whose tokenizer disagrees with the
+    router's: every prompt token id is shifted by it before the engine runs the request.
     """
 
     def __init__(
-        self, *, block_size: int, num_blocks: int, cpu_blocks: int | None, dp_size: int = 1
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        cpu_blocks: int | None,
+        dp_size: int = 1,
+        token_shift: int = 0,
     ) -> None:
         super().__init__(block_size=block_size, dp_size=dp_size, host="127.0.0.1")
         ports = self.kv_ports
@@ -128,6 +137,7 @@ class SimulatedReplica(KVEventsReplica):
             )
             for rank in range(dp_size)
         ]
+        self.token_shift = token_shift
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
         # The engines are not thread-safe, and Serve may run calls in threads.
@@ -145,7 +155,8 @@ class SimulatedReplica(KVEventsReplica):
             return {"replica": self.replica_id, "actor": self.actor_name}
         rank = data_parallel_rank or 0
         with self._lock:
-            completion = self.engines[rank].generate(prompt_token_ids, max_tokens)
+            tokens = [token + self.token_shift for token in prompt_token_ids]
+            completion = self.engines[rank].generate(tokens, max_tokens)
         return {
             "replica": self.replica_id,
             "actor": self.actor_name,
