@@ -27,11 +27,23 @@ Use it through the OffloadingConnector's out-of-tree spec loading::
             "self_describing_kv_events": True,
         },
     }
+
+One more key, test-only too, makes engines of the same configuration differ:
+``"placeholder_kv_events_ports": [5557, ...]`` turns ``self_describing_kv_events`` off for the
+engines whose ``kv_events_config.endpoint`` port is listed, so they publish vLLM's CPU
+placeholders (``BlockStored`` with hashes only: no tokens, block size 0) as the
+OffloadingConnector does by default, while the others stay self-describing. Ray Serve LLM gives
+each replica of a deployment one ``LLMConfig`` and offsets only that endpoint's port by the
+replica's rank, so the port is what tells one replica's engine from another's. Without the key
+(the golden captures), nothing changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,9 +56,12 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-__all__ = ["SyncCPUOffloadingSpec", "SyncCPUOffloadingWorker"]
+__all__ = ["PLACEHOLDER_PORTS_KEY", "SyncCPUOffloadingSpec", "SyncCPUOffloadingWorker"]
+
+PLACEHOLDER_PORTS_KEY = "placeholder_kv_events_ports"
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm", so vLLM's log config shows it
 
@@ -122,8 +137,40 @@ class SyncCPUOffloadingWorker(OffloadingWorker):
         return  # every transfer completed when it was submitted
 
 
+def _kv_events_port() -> int | None:
+    """The port of the engine's ``kv_events_config.endpoint``, read from the ``vllm_config`` of
+    the caller that builds the spec (vLLM 0.32's ``OffloadingConnector.__init__``, which hands
+    the spec only the derived ``OffloadingConfig``); ``None`` if no caller has one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        config: Any = frame.f_locals.get("vllm_config")
+        events = getattr(config, "kv_events_config", None)
+        if events is not None:
+            endpoint = str(getattr(events, "endpoint", "") or "")
+            port = endpoint.rsplit(":", 1)[-1]
+            return int(port) if port.isdigit() else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 class SyncCPUOffloadingSpec(CPUOffloadingSpec):
     """vLLM's ``CPUOffloadingSpec`` with a synchronous worker that runs on the CPU backend."""
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        ports = self.extra_config.get(PLACEHOLDER_PORTS_KEY)
+        if ports and self.kv_events_config.self_describing_kv_events:
+            port = _kv_events_port()
+            if port in {int(p) for p in ports}:
+                # Read by the scheduler side's OffloadingEventsTracker, built after the spec.
+                self.kv_events_config = dataclasses.replace(
+                    self.kv_events_config, self_describing_kv_events=False
+                )
+            logger.info(
+                "sync-cpu-offload: kv events port %s, self_describing_kv_events=%s",
+                port,
+                self.kv_events_config.self_describing_kv_events,
+            )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
