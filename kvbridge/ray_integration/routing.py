@@ -1,4 +1,5 @@
-"""The router's state: Dynamo's ``SelectionService``, the replica registry and the reservations.
+"""The router's state: Dynamo's ``SelectionService``, the replica registry, the reservations and
+the decisions (the registry and the reservations have modules of their own).
 
 This lives in a module of its own because Ray pickles a request router's module *by value*: a
 service kept in the router's module would be copied into each process that unpickles the router,
@@ -21,25 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
-import hashlib
 import itertools
 import threading
 import time
 from array import array
-from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
 
-from kvbridge.adapters.dynamo import Overlap
 from kvbridge.adapters.selection import SelectionClient, SelectionServiceError
 from kvbridge.normalizers.hashing import block_seed, sequence_hashes, tokens_hash
-from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
+from kvbridge.ray_integration.decisions import Choice, Decision, NoChoice, RouterStats
 from kvbridge.ray_integration.metrics import RouterMetrics
+from kvbridge.ray_integration.registry import WorkerRegistry, worker_id_for
+from kvbridge.ray_integration.reservations import Reservation, Reservations
+from kvbridge.schemas import Overlap
 
 __all__ = [
     "Choice",
@@ -57,95 +56,12 @@ log = structlog.get_logger("kvbridge.ray.router")
 TIER_CREDIT: Final = (1.0, 0.75, 0.25)
 """Dynamo's credit per matched block on device, host and disk (its default weights)."""
 
-_DECISION_LOG: Final = 10_000
-
-
-def worker_id_for(replica_id: str) -> int:
-    """The Dynamo worker id of a replica: BLAKE2b-64 of its unique id, big-endian.
-
-    Stable across router processes and restarts, and the same id Ray Serve LLM's own KV router
-    derives, so both can share a Dynamo deployment.
-    """
-    digest = hashlib.blake2b(replica_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-class NoChoice(Exception):
-    """Dynamo gave no answer; ``reason`` says why (the fallback counter's label)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Dynamo's pick for one request, and the other workers ranked by their overlap."""
-
-    selection_id: str
-    worker_id: int
-    dp_rank: int
-    ranking: list[list[int]]
-    """Groups of worker ids, best first: the pick alone, then (once Serve asks again for the
-    same request, see :meth:`RoutingState.choose`) the others by overlap credit, equal credit
-    in one group, so that Serve balances among them by queue length."""
-    overlap: Overlap
-    """The picked worker's overlap, in blocks (cumulative over tiers)."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One routing decision, for :attr:`RouterStats.decisions`."""
-
-    request_id: str
-    replica_id: str | None
-    worker_id: int | None
-    dp_rank: int | None
-    overlap: Overlap | None
-    fallback: str | None
-    latency_s: float
-
-
-@dataclass
-class RouterStats:
-    """What the router did, in this process (the same figures go to Ray's metrics)."""
-
-    outcomes: Counter[str] = field(default_factory=Counter)
-    """``dynamo``, ``fallback`` and ``repeat`` (a retry of a request already reserved)."""
-    fallbacks: Counter[str] = field(default_factory=Counter)
-    """By reason: ``no_tokens``, ``no_workers``, ``timeout``, ``service_error``."""
-    overlap_blocks: Counter[str] = field(default_factory=Counter)
-    """Sum of the picked workers' overlap by tier: ``device``, ``host_pinned``, ``disk``."""
-    registry: Counter[str] = field(default_factory=Counter)
-    """``registered``, ``deregistered``, ``rejected:<why>``, ``freed``, ``late_freed`` (after a
-    timeout), ``moved`` (to the replica Serve used), ``expired``, ``free_failed``."""
-    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=_DECISION_LOG))
-    token_checks: Counter[str] = field(default_factory=Counter)
-    """After each completed request, whether the engine reported storing the prompt the router
-    hashed (Dynamo's index, fed by the engine's own token ids, read for the serving worker):
-    ``confirmed`` (every full block), ``partial`` (a leading part: evicted since, or token ids
-    that diverge midway), ``unconfirmed`` (none: the router's token ids are not the engine's,
-    so every decision for such prompts finds zero hits). Prompts without a full block are not
-    checked."""
-
-
-@dataclass
-class _Worker:
-    replica_id: str
-    worker_id: int
-    advert: KVEventsAdvert
-    ready: bool = False
-
-
-@dataclass
-class _Reservation:
-    choice: Choice
-    created: float
-    prompt: dict[str, Any]
-
 
 class RoutingState:
-    """Dynamo's view of one deployment's replicas, in one process.
+    """Dynamo's view of one deployment's replicas, in one process: the service, its
+    :class:`~kvbridge.ray_integration.registry.WorkerRegistry`, the
+    :class:`~kvbridge.ray_integration.reservations.Reservations` of the requests in flight, and
+    the decisions.
 
     Args:
         deployment: a name for logs and metrics.
@@ -173,165 +89,51 @@ class RoutingState:
         token_check_delay_s: float | None = 0.5,
     ) -> None:
         self.deployment = deployment
-        self.token_check_delay_s = token_check_delay_s
-        self.block_size = block_size
         self.model_name = model_name
         self.select_timeout_s = select_timeout_s
-        self.reservation_ttl_s = reservation_ttl_s
         self.client = SelectionClient(indexer_threads=indexer_threads, tuning=tuning)
         self.stats = RouterStats()
         self.metrics = RouterMetrics(deployment)
+        self.registry = WorkerRegistry(
+            self.client, self.stats.registry, block_size=block_size, model_name=model_name
+        )
+        self.held = Reservations(
+            self.client,
+            self.stats.registry,
+            ttl_s=reservation_ttl_s,
+            model_name=model_name,
+            token_check=None if token_check_delay_s is None else self._check_tokens,
+            token_check_delay_s=token_check_delay_s or 0.0,
+        )
         self._lock = threading.Lock()
-        self._workers: dict[str, _Worker] = {}
-        self._rejected: dict[str, str] = {}
-        self._seen_stats: dict[str, Mapping[str, Any]] = {}
-        self._freeing: set[concurrent.futures.Future[Any]] = set()
-        """Frees submitted and not yet applied: a selection waits for them (see _select)."""
-        self._checking: set[concurrent.futures.Future[None]] = set()
-        """Token checks waiting for their delay or for Dynamo (see _check_tokens)."""
-        self._reservations: OrderedDict[str, _Reservation] = OrderedDict()
-        self._selection_ids = itertools.count()
-        self._registry_lock: asyncio.Lock | None = None
-        self._version = 0
-        """Bumped whenever the set of ready workers may have changed (see registry_version)."""
+        """Guards what router classes keep on the state (see ``llm_router``)."""
 
     # ------------------------------------------------------------------ registry
+
+    @property
+    def block_size(self) -> int | None:
+        """The engines' block size (pinned by the first advert if not given)."""
+        return self.registry.block_size
 
     def sync(
         self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool
     ) -> concurrent.futures.Future[None] | None:
-        """Bring Dynamo's workers in line with ``replicas`` ({replica id: routing stats}).
-
-        Registers replicas whose advert is new or changed; with ``complete`` (the full set of
-        replicas) also deregisters the ones not listed. Returns the future of the service
-        calls, or ``None`` when nothing changes.
-        """
-        upserts: list[_Worker] = []
-        deletes: list[_Worker] = []
-        with self._lock:
-            for replica_id, stats in replicas.items():
-                # Serve hands over a new dict when a replica's stats change.
-                if stats is not None and self._seen_stats.get(replica_id) is stats:
-                    continue
-                if stats is not None:
-                    self._seen_stats[replica_id] = stats
-                advert = self._advert(replica_id, stats)
-                current = self._workers.get(replica_id)
-                if advert is None or (current is not None and current.advert == advert):
-                    continue
-                if current is not None:
-                    deletes.append(current)
-                worker = _Worker(replica_id, worker_id_for(replica_id), advert)
-                self._workers[replica_id] = worker
-                upserts.append(worker)
-            if complete:
-                for replica_id in [r for r in self._seen_stats if r not in replicas]:
-                    del self._seen_stats[replica_id]
-                for replica_id in [r for r in self._workers if r not in replicas]:
-                    deletes.append(self._workers.pop(replica_id))
-                for replica_id in [r for r in self._rejected if r not in replicas]:
-                    del self._rejected[replica_id]
-            if upserts or deletes:
-                self._version += 1
-        if not upserts and not deletes:
-            return None
-        return self.client.run(self._apply_registry(upserts, deletes))
+        """Bring Dynamo's workers in line with ``replicas`` (see :meth:`WorkerRegistry.sync
+        <kvbridge.ray_integration.registry.WorkerRegistry.sync>`)."""
+        return self.registry.sync(replicas, complete=complete)
 
     def forget(self, replica_id: str) -> concurrent.futures.Future[None] | None:
         """Deregister a replica now (its actor died)."""
-        with self._lock:
-            worker = self._workers.pop(replica_id, None)
-            self._rejected.pop(replica_id, None)
-            self._seen_stats.pop(replica_id, None)
-            self._version += 1
-        if worker is None:
-            return None
-        return self.client.run(self._apply_registry([], [worker]))
+        return self.registry.forget(replica_id)
 
     @property
     def registry_version(self) -> int:
-        """Changes whenever :meth:`ready_workers` may answer differently for the same replicas,
-        so that a router can keep its answer for a candidate list until then."""
-        return self._version
+        """Changes whenever :meth:`ready_workers` may answer differently for the same replicas."""
+        return self.registry.registry_version
 
     def ready_workers(self, replica_ids: Sequence[str]) -> dict[int, str]:
         """``{worker_id: replica_id}`` of the given replicas that Dynamo has registered."""
-        with self._lock:
-            return {
-                worker.worker_id: replica_id
-                for replica_id in replica_ids
-                if (worker := self._workers.get(replica_id)) is not None and worker.ready
-            }
-
-    def _advert(self, replica_id: str, stats: Mapping[str, Any] | None) -> KVEventsAdvert | None:
-        try:
-            advert = read_advert(stats)
-        except ValueError as error:
-            self._reject(replica_id, "invalid_advert", str(error))
-            return None
-        if advert is None:
-            return None
-        if self.block_size is None:
-            self.block_size = advert.block_size
-        if advert.block_size != self.block_size:
-            self._reject(
-                replica_id,
-                "block_size",
-                f"replica block size {advert.block_size}, router {self.block_size}",
-            )
-            return None
-        self._rejected.pop(replica_id, None)
-        return advert
-
-    def _reject(self, replica_id: str, reason: str, detail: str) -> None:
-        if self._rejected.get(replica_id) == reason:
-            return
-        self._rejected[replica_id] = reason
-        self.stats.registry[f"rejected:{reason}"] += 1
-        log.warning("replica not registered", replica=replica_id, reason=reason, detail=detail)
-
-    async def _apply_registry(self, upserts: list[_Worker], deletes: list[_Worker]) -> None:
-        if self._registry_lock is None:
-            self._registry_lock = asyncio.Lock()
-        async with self._registry_lock:
-            for worker in deletes:
-                try:
-                    await self.client.service.delete_worker(worker.worker_id)
-                except SelectionServiceError as error:
-                    log.warning("delete_worker failed", replica=worker.replica_id, error=str(error))
-                self.stats.registry["deregistered"] += 1
-                log.info("replica deregistered", replica=worker.replica_id)
-            for worker in upserts:
-                record = await self.client.service.upsert_worker(self._worker_record(worker))
-                with self._lock:
-                    worker.ready = self._workers.get(worker.replica_id) is worker
-                    self._version += 1
-                self.stats.registry["registered"] += 1
-                log.info(
-                    "replica registered",
-                    replica=worker.replica_id,
-                    worker_id=worker.worker_id,
-                    endpoints=worker.advert.endpoints,
-                    lifecycle=record.get("lifecycle"),
-                    not_schedulable=record.get("not_schedulable_reasons"),
-                )
-
-    def _worker_record(self, worker: _Worker) -> dict[str, Any]:
-        advert = worker.advert
-        ranks = advert.dp_ranks
-        record: dict[str, Any] = {
-            "worker_id": worker.worker_id,
-            "model_name": self.model_name,
-            "endpoint": f"ray://{worker.replica_id}",
-            "block_size": advert.block_size,
-            "data_parallel_start_rank": ranks[0],
-            "data_parallel_size": len(ranks),
-            "kv_events_endpoints": dict(advert.endpoints),
-        }
-        # Dynamo 1.6 serves replays only to a worker with one dp rank.
-        if len(ranks) == 1 and ranks[0] in advert.replay_endpoints:
-            record["replay_endpoint"] = advert.replay_endpoints[ranks[0]]
-        return record
+        return self.registry.ready_workers(replica_ids)
 
     # ------------------------------------------------------------------ decisions
 
@@ -360,15 +162,14 @@ class RoutingState:
             NoChoice: no worker, a timeout, or a service error.
         """
         started = time.perf_counter() if started is None else started
-        self._expire(time.monotonic())
-        with self._lock:
-            held = self._reservations.get(request_id)
+        self.held.expire(time.monotonic())
+        held = self.held.get(request_id)
         if held is not None and held.choice.worker_id in workers:
             self.stats.outcomes["repeat"] += 1
             return await self._ranked(request_id, held, workers)
         if not workers:
             raise NoChoice("no_workers")
-        selection_id = f"{request_id}:{next(self._selection_ids)}"
+        selection_id = self.held.selection_id(request_id)
         prompt = self._prompt(token_ids, lora_name)
         request = {**prompt, "selection_id": selection_id, "allowed_worker_ids": list(workers)}
         # Shielded: a selection that answers after the timeout (or after the caller was
@@ -377,15 +178,14 @@ class RoutingState:
         try:
             choice = await asyncio.wait_for(asyncio.shield(future), self.select_timeout_s)
         except TimeoutError:
-            future.add_done_callback(self._free_late)
+            future.add_done_callback(self.held.free_late)
             raise NoChoice("timeout", f"no answer in {self.select_timeout_s} s") from None
         except asyncio.CancelledError:
-            future.add_done_callback(self._free_late)
+            future.add_done_callback(self.held.free_late)
             raise
         except (SelectionServiceError, ValueError) as error:
             raise NoChoice("service_error", str(error)) from None
-        with self._lock:
-            self._reservations[request_id] = _Reservation(choice, time.monotonic(), prompt)
+        self.held.hold(request_id, choice, prompt)
         latency = time.perf_counter() - started
         self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
         return choice
@@ -423,8 +223,7 @@ class RoutingState:
         """Select and reserve, one call."""
         # A free and a selection submitted after it run concurrently in the service; without
         # this wait the selection may still count the freed request's load.
-        with self._lock:
-            freeing = [asyncio.wrap_future(future) for future in self._freeing]
+        freeing = [asyncio.wrap_future(future) for future in self.held.in_flight()]
         if freeing:
             await asyncio.wait(freeing)
         answer = await self.client.service.select_and_reserve(request)
@@ -453,7 +252,7 @@ class RoutingState:
         )
 
     async def _ranked(
-        self, request_id: str, held: _Reservation, workers: Mapping[int, str]
+        self, request_id: str, held: Reservation, workers: Mapping[int, str]
     ) -> Choice:
         """``held``'s choice with the other ``workers`` ranked by their overlap credit with the
         request's prompt (asked of Dynamo once per request); if Dynamo does not answer within
@@ -482,16 +281,8 @@ class RoutingState:
             list(group) for _, group in itertools.groupby(others, lambda w: credit.get(w, 0.0))
         ]
         choice = dataclasses.replace(held.choice, ranking=ranking)
-        with self._lock:
-            if self._reservations.get(request_id) is held:
-                self._reservations[request_id] = dataclasses.replace(held, choice=choice)
+        self.held.rerank(request_id, held, choice)
         return choice
-
-    def _free_late(self, future: asyncio.Future[Choice]) -> None:
-        """A selection that answered after its timeout reserved load nobody will use: free it."""
-        if future.cancelled() or future.exception() is not None:
-            return
-        self._free(future.result().selection_id, "late_freed")
 
     def fallback(self, request_id: str, reason: str, latency_s: float) -> None:
         """Count a request routed without Dynamo."""
@@ -531,116 +322,40 @@ class RoutingState:
     # ------------------------------------------------------------------ reservations
 
     def routed(self, request_id: str, replica_id: str) -> None:
-        """Serve placed the request on ``replica_id``. If that is not Dynamo's pick (the pick was
-        full and Serve took a replica of a lower rank), move the reservation there, so that
-        Dynamo books the load where it is."""
-        with self._lock:
-            held = self._reservations.get(request_id)
-            worker = self._workers.get(replica_id)
-            if held is None or worker is None or held.choice.worker_id == worker.worker_id:
-                return
-            selection_id = f"{request_id}:{next(self._selection_ids)}"
-            moved = Choice(
-                selection_id,
-                worker.worker_id,
-                worker.advert.dp_ranks[0],
-                held.choice.ranking,
-                Overlap(0, 0, 0),
-            )
-            self._reservations[request_id] = _Reservation(moved, held.created, held.prompt)
-        self._free(held.choice.selection_id, "moved")
-        request: dict[str, Any] = {
-            "selection_id": selection_id,
-            "model_name": self.model_name,
-            "worker_id": moved.worker_id,
-            "dp_rank": moved.dp_rank,
-            "sequence_hashes": held.prompt["sequence_hashes"],
-            "isl_tokens": held.prompt["isl_tokens"],
-        }
-        self.client.submit("create_reservation", request)
+        """Serve placed the request on ``replica_id``: the reservation follows it there."""
+        worker = self.registry.worker(replica_id)
+        if worker is not None:
+            self.held.move(request_id, worker.worker_id, worker.advert.dp_ranks[0])
 
     def release(self, request_id: str) -> None:
         """Free the request's reservation (its attempt completed). Idempotent."""
-        with self._lock:
-            held = self._reservations.pop(request_id, None)
-        if held is not None:
-            self._free(held.choice.selection_id, "freed")
-            self._check_tokens(held)
-
-    def _check_tokens(self, held: _Reservation) -> None:
-        """Count whether the serving worker's engine stored ``held``'s prompt, as the router
-        tokenized it (:attr:`RouterStats.token_checks`), once its events had time to arrive."""
-        full = len(held.prompt["block_hashes"])
-        delay = self.token_check_delay_s
-        if delay is None or full == 0:
-            return
-        worker_id = held.choice.worker_id
-
-        async def check() -> None:
-            await asyncio.sleep(delay)
-            scores = await self.client.service.overlap_scores(held.prompt)
-            seen = max(
-                (
-                    int(entry["host_pinned_blocks"])
-                    for entry in scores["workers"]
-                    if int(entry["worker_id"]) == worker_id
-                ),
-                default=0,
-            )
-            outcome = "confirmed" if seen >= full else "partial" if seen else "unconfirmed"
-            self.stats.token_checks[outcome] += 1
-            self.metrics.record_token_check(outcome)
-
-        def done(future: concurrent.futures.Future[None]) -> None:
-            with self._lock:
-                self._checking.discard(future)
-            if not future.cancelled() and future.exception() is not None:
-                log.warning("token check failed", error=str(future.exception()))
-
-        with contextlib.suppress(RuntimeError):  # the client closed: nothing left to check
-            future = self.client.run(check())
-            with self._lock:
-                self._checking.add(future)
-            future.add_done_callback(done)
+        self.held.release(request_id)
 
     @property
     def reservations(self) -> int:
         """Reservations this state holds and has not freed."""
-        with self._lock:
-            return len(self._reservations)
+        return len(self.held)
 
-    def _expire(self, now: float) -> None:
-        expired: list[str] = []
-        with self._lock:
-            while self._reservations:
-                request_id, held = next(iter(self._reservations.items()))
-                if now - held.created < self.reservation_ttl_s:
-                    break
-                del self._reservations[request_id]
-                expired.append(held.choice.selection_id)
-        for selection_id in expired:
-            self._free(selection_id, "expired")
-
-    def _free(self, selection_id: str, outcome: str) -> None:
-        def done(future: concurrent.futures.Future[Any]) -> None:
-            with self._lock:
-                self._freeing.discard(future)
-            if future.cancelled() or future.exception() is not None:
-                self.stats.registry["free_failed"] += 1
-                log.warning("free_reservation failed", selection_id=selection_id)
-            else:
-                self.stats.registry[outcome] += 1
-
-        future = self.client.submit("free_reservation", selection_id)
-        with self._lock:
-            self._freeing.add(future)
-        future.add_done_callback(done)
+    async def _check_tokens(self, prompt: dict[str, Any], worker_id: int) -> None:
+        """Count whether ``worker_id``'s engine stored ``prompt`` as the router hashed it
+        (:attr:`RouterStats.token_checks`): its overlap in Dynamo's index, which the engine's
+        own token ids fed, against the prompt's full blocks."""
+        scores = await self.client.service.overlap_scores(prompt)
+        seen = max(
+            (
+                int(entry["host_pinned_blocks"])
+                for entry in scores["workers"]
+                if int(entry["worker_id"]) == worker_id
+            ),
+            default=0,
+        )
+        full = len(prompt["block_hashes"])
+        outcome = "confirmed" if seen >= full else "partial" if seen else "unconfirmed"
+        self.stats.token_checks[outcome] += 1
+        self.metrics.record_token_check(outcome)
 
     def close(self) -> None:
-        with self._lock:
-            checking = list(self._checking)
-        for future in checking:  # cancelled on the service's loop before it stops
-            future.cancel()
+        self.held.cancel_checks()  # on the service's loop, before it stops
         self.client.close()
 
 

@@ -1,0 +1,78 @@
+"""What a routing decision is, and what the router counts about its decisions.
+
+:class:`Choice` is Dynamo's answer for one request, :class:`Decision` its record,
+:class:`NoChoice` the reason there is none (the fallback's label), and :class:`RouterStats`
+the figures a router keeps in its process (the same go to Ray's metrics).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvbridge.schemas import Overlap
+
+__all__ = ["Choice", "Decision", "NoChoice", "RouterStats"]
+
+DECISION_LOG: Final = 10_000
+"""Decisions :attr:`RouterStats.decisions` keeps, the newest."""
+
+
+class NoChoice(Exception):
+    """Dynamo gave no answer; ``reason`` says why (the fallback counter's label)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Dynamo's pick for one request, and the other workers ranked by their overlap."""
+
+    selection_id: str
+    worker_id: int
+    dp_rank: int
+    ranking: list[list[int]]
+    """Groups of worker ids, best first: the pick alone, then (once Serve asks again for the
+    same request, see :meth:`RoutingState.choose`) the others by overlap credit, equal credit
+    in one group, so that Serve balances among them by queue length."""
+    overlap: Overlap
+    """The picked worker's overlap, in blocks (cumulative over tiers)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing decision, for :attr:`RouterStats.decisions`."""
+
+    request_id: str
+    replica_id: str | None
+    worker_id: int | None
+    dp_rank: int | None
+    overlap: Overlap | None
+    fallback: str | None
+    latency_s: float
+
+
+@dataclass
+class RouterStats:
+    """What the router did, in this process (the same figures go to Ray's metrics)."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    """``dynamo``, ``fallback`` and ``repeat`` (a retry of a request already reserved)."""
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    """By reason: ``no_tokens``, ``no_workers``, ``timeout``, ``service_error``."""
+    overlap_blocks: Counter[str] = field(default_factory=Counter)
+    """Sum of the picked workers' overlap by tier: ``device``, ``host_pinned``, ``disk``."""
+    registry: Counter[str] = field(default_factory=Counter)
+    """``registered``, ``deregistered``, ``rejected:<why>``, ``freed``, ``late_freed`` (after a
+    timeout), ``moved`` (to the replica Serve used), ``expired``, ``free_failed``."""
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISION_LOG))
+    token_checks: Counter[str] = field(default_factory=Counter)
+    """After each completed request, whether the engine reported storing the prompt the router
+    hashed (Dynamo's index, fed by the engine's own token ids, read for the serving worker):
+    ``confirmed`` (every full block), ``partial`` (a leading part: evicted since, or token ids
+    that diverge midway), ``unconfirmed`` (none: the router's token ids are not the engine's,
+    so every decision for such prompts finds zero hits). Prompts without a full block are not
+    checked."""

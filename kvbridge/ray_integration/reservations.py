@@ -1,0 +1,204 @@
+"""The load Dynamo books for requests in flight, and what the router learns when they complete.
+
+A decision reserves its pick in the ``SelectionService`` (``select_and_reserve``); the
+reservation is held per request until Serve says the request completed, moved when Serve placed
+the request on another replica, freed when a late answer reserved load nobody uses, and expired
+after a TTL when no completion ever comes. On completion the router also checks its token ids
+against the engine's (:meth:`Reservations.release`). One of the parts of a
+:class:`~kvbridge.ray_integration.routing.RoutingState`; the frees and checks run on the
+:class:`~kvbridge.adapters.selection.SelectionClient`'s loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from kvbridge.adapters.selection import SelectionClient
+from kvbridge.ray_integration.decisions import Choice
+from kvbridge.schemas import Overlap
+
+__all__ = ["Reservation", "Reservations"]
+
+log = structlog.get_logger("kvbridge.ray.router")
+
+
+@dataclass
+class Reservation:
+    """One request's booked load: Dynamo's choice and the prompt, in the precomputed form."""
+
+    choice: Choice
+    created: float
+    prompt: dict[str, Any]
+
+
+class Reservations:
+    """The reservations of one deployment's router in this process.
+
+    Args:
+        client: the deployment's selection service.
+        counts: where ``freed``, ``late_freed``, ``moved``, ``expired`` and ``free_failed``
+            are counted (the router's registry counter).
+        ttl_s: a reservation whose completion never arrives is freed after this.
+        model_name: Dynamo's model name for the deployment.
+        token_check: called with ``(prompt, worker_id)`` on the service's loop, ``delay_s``
+            after each request completed (see :attr:`RouterStats.token_checks
+            <kvbridge.ray_integration.decisions.RouterStats.token_checks>`); ``None``: no checks.
+    """
+
+    def __init__(
+        self,
+        client: SelectionClient,
+        counts: Counter[str],
+        *,
+        ttl_s: float,
+        model_name: str,
+        token_check: Callable[[dict[str, Any], int], Any] | None,
+        token_check_delay_s: float,
+    ) -> None:
+        self.client = client
+        self.counts = counts
+        self.ttl_s = ttl_s
+        self.model_name = model_name
+        self._token_check = token_check
+        self._token_check_delay_s = token_check_delay_s
+        self._lock = threading.Lock()
+        self._held: OrderedDict[str, Reservation] = OrderedDict()
+        self._freeing: set[concurrent.futures.Future[Any]] = set()
+        """Frees submitted and not yet applied: a selection waits for them (see in_flight)."""
+        self._checking: set[concurrent.futures.Future[None]] = set()
+        """Token checks waiting for their delay or for Dynamo."""
+        self._selection_ids = itertools.count()
+
+    def selection_id(self, request_id: str) -> str:
+        """A new selection id for ``request_id`` (Dynamo's key of one reservation)."""
+        return f"{request_id}:{next(self._selection_ids)}"
+
+    def get(self, request_id: str) -> Reservation | None:
+        with self._lock:
+            return self._held.get(request_id)
+
+    def hold(self, request_id: str, choice: Choice, prompt: dict[str, Any]) -> None:
+        with self._lock:
+            self._held[request_id] = Reservation(choice, time.monotonic(), prompt)
+
+    def rerank(self, request_id: str, held: Reservation, choice: Choice) -> None:
+        """Keep ``choice`` (``held``'s, ranked) unless the request's reservation changed since."""
+        with self._lock:
+            if self._held.get(request_id) is held:
+                self._held[request_id] = Reservation(choice, held.created, held.prompt)
+
+    def move(self, request_id: str, worker_id: int, dp_rank: int) -> None:
+        """Serve placed the request on ``worker_id``. If that is not Dynamo's pick (the pick was
+        full and Serve took a replica of a lower rank), move the reservation there, so that
+        Dynamo books the load where it is."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None or held.choice.worker_id == worker_id:
+                return
+            selection_id = self.selection_id(request_id)
+            moved = Choice(selection_id, worker_id, dp_rank, held.choice.ranking, Overlap(0, 0, 0))
+            self._held[request_id] = Reservation(moved, held.created, held.prompt)
+        self.free(held.choice.selection_id, "moved")
+        request: dict[str, Any] = {
+            "selection_id": selection_id,
+            "model_name": self.model_name,
+            "worker_id": worker_id,
+            "dp_rank": dp_rank,
+            "sequence_hashes": held.prompt["sequence_hashes"],
+            "isl_tokens": held.prompt["isl_tokens"],
+        }
+        self.client.submit("create_reservation", request)
+
+    def release(self, request_id: str) -> None:
+        """Free the request's reservation (its attempt completed), then check its tokens.
+        Idempotent."""
+        with self._lock:
+            held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        self.free(held.choice.selection_id, "freed")
+        if self._token_check is not None and held.prompt["block_hashes"]:
+            self._check_later(held)
+
+    def _check_later(self, held: Reservation) -> None:
+        check, delay = self._token_check, self._token_check_delay_s
+        assert check is not None
+
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            await check(held.prompt, held.choice.worker_id)
+
+        def done(future: concurrent.futures.Future[None]) -> None:
+            with self._lock:
+                self._checking.discard(future)
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("token check failed", error=str(future.exception()))
+
+        with contextlib.suppress(RuntimeError):  # the client closed: nothing left to check
+            future = self.client.run(later())
+            with self._lock:
+                self._checking.add(future)
+            future.add_done_callback(done)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def expire(self, now: float) -> None:
+        """Free the reservations older than the TTL (``now`` from ``time.monotonic()``)."""
+        expired: list[str] = []
+        with self._lock:
+            while self._held:
+                request_id, held = next(iter(self._held.items()))
+                if now - held.created < self.ttl_s:
+                    break
+                del self._held[request_id]
+                expired.append(held.choice.selection_id)
+        for selection_id in expired:
+            self.free(selection_id, "expired")
+
+    def free_late(self, future: asyncio.Future[Choice]) -> None:
+        """A selection that answered after its timeout reserved load nobody will use: free it."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        self.free(future.result().selection_id, "late_freed")
+
+    def free(self, selection_id: str, outcome: str) -> None:
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._freeing.discard(future)
+            if future.cancelled() or future.exception() is not None:
+                self.counts["free_failed"] += 1
+                log.warning("free_reservation failed", selection_id=selection_id)
+            else:
+                self.counts[outcome] += 1
+
+        future = self.client.submit("free_reservation", selection_id)
+        with self._lock:
+            self._freeing.add(future)
+        future.add_done_callback(done)
+
+    def in_flight(self) -> list[concurrent.futures.Future[Any]]:
+        """The frees submitted and not yet applied. A free and a selection submitted after it
+        run concurrently in the service: a selection waits for these, or it may still count a
+        freed request's load."""
+        with self._lock:
+            return list(self._freeing)
+
+    def cancel_checks(self) -> None:
+        """Cancel the token checks still waiting (before the service's loop stops)."""
+        with self._lock:
+            checking = list(self._checking)
+        for future in checking:
+            future.cancel()
