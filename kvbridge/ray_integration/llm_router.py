@@ -54,13 +54,14 @@ if TYPE_CHECKING:
 
     DynamoLLMRouter: type[DynamoKVRouter]
 
-__all__ = ["DynamoLLMRouter", "RelayHop", "llm_tokenizer", "relay_hop"]
+__all__ = ["HOP_KEY", "DynamoLLMRouter", "RelayHop", "llm_tokenizer", "relay_hop"]
 
 RELAY_HOST: Final = "127.0.0.1"
 """Where the router-side relays publish: loopback, for the router's own Dynamo only."""
 
-_HOP_ATTRIBUTE: Final = "kvbridge_relay_hop"
-_TOKENIZER_ATTRIBUTE: Final = "kvbridge_vllm_tokenizer"
+HOP_KEY: Final = "kvbridge_relay_hop"
+"""The relay hop's key on its :class:`RoutingState` (:meth:`RoutingState.attachment`)."""
+_TOKENIZER_KEY: Final = "kvbridge_vllm_tokenizer"
 
 
 class _Relayed:
@@ -229,16 +230,11 @@ class RelayHop:
 def relay_hop(state: RoutingState) -> RelayHop:
     """The hop of ``state``'s deployment in this process (created on first use).
 
-    Kept on the state, not in this module: Ray copies this module's globals (no module-level
-    lock either, which would not pickle); the state's lock guards the attribute.
+    Kept on the state (:meth:`RoutingState.attached`), not in this module, whose globals Ray
+    copies.
     """
-    with state._lock:
-        hop = getattr(state, _HOP_ATTRIBUTE, None)
-        if hop is None:
-            hop = RelayHop()
-            setattr(state, _HOP_ATTRIBUTE, hop)
-        # Another copy of this module may have made it: the same class by value, not by identity.
-        return cast(RelayHop, hop)
+    # Another copy of this module may have made it: the same class by value, not by identity.
+    return cast(RelayHop, state.attached(HOP_KEY, RelayHop))
 
 
 def llm_tokenizer(state: RoutingState, app_name: str, deployment_name: str) -> VllmTokenizer:
@@ -262,12 +258,7 @@ def llm_tokenizer(state: RoutingState, app_name: str, deployment_name: str) -> V
         _, vllm_config = _get_vllm_engine_config(llm_config, device_type="cpu")
         return vllm_config, dict(llm_config.get_engine_config().frontend_kwargs)
 
-    with state._lock:
-        tokenizer = getattr(state, _TOKENIZER_ATTRIBUTE, None)
-        if tokenizer is None:
-            tokenizer = VllmTokenizer(load)
-            setattr(state, _TOKENIZER_ATTRIBUTE, tokenizer)
-        return cast(VllmTokenizer, tokenizer)
+    return cast(VllmTokenizer, state.attached(_TOKENIZER_KEY, lambda: VllmTokenizer(load)))
 
 
 def _needs_text_tokens(body: Any) -> bool:

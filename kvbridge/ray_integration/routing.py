@@ -27,7 +27,7 @@ import itertools
 import threading
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import structlog
@@ -106,7 +106,22 @@ class RoutingState:
             token_check_delay_s=token_check_delay_s or 0.0,
         )
         self._lock = threading.Lock()
-        """Guards what router classes keep on the state (see ``llm_router``)."""
+        self._attached: dict[str, Any] = {}
+
+    def attached(self, key: str, make: Callable[[], Any]) -> Any:
+        """What a router class keeps per deployment and process under ``key`` (a relay hop, a
+        tokenizer), made by ``make()`` on first use. It lives on the state, not in the router's
+        module, because Ray copies that module's globals (a lock there would not even pickle).
+        """
+        with self._lock:
+            if key not in self._attached:
+                self._attached[key] = make()
+            return self._attached[key]
+
+    def attachment(self, key: str) -> Any | None:
+        """What :meth:`attached` keeps under ``key``, if anything made it yet."""
+        with self._lock:
+            return self._attached.get(key)
 
     # ------------------------------------------------------------------ registry
 

@@ -356,7 +356,7 @@ def _relay_stats(hop: Any) -> dict[str, dict[str, Any]]:
 
 def _router_stats(actor: Any) -> dict[str, Any]:
     """Inside the ingress replica's process: every routing state's stats and decisions."""
-    from kvbridge.ray_integration import routing
+    from kvbridge.ray_integration import llm_router, routing
 
     out: dict[str, Any] = {}
     with routing._STATES_LOCK:
@@ -379,7 +379,7 @@ def _router_stats(actor: Any) -> dict[str, Any]:
                 }
                 for d in stats.decisions
             ],
-            "relays": _relay_stats(getattr(state, "kvbridge_relay_hop", None)),
+            "relays": _relay_stats(state.attachment(llm_router.HOP_KEY)),
         }
     return out
 
