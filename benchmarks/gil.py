@@ -22,12 +22,12 @@ worker the prompt's leading blocks looked up one by one until the first miss, th
 from the overlap and a load figure, and the best worker. It takes about 0.15 ms and holds the
 GIL throughout. Decisions start every ``--period-ms`` (1 ms): a router serving 1,000 requests
 a second; one that falls behind still waits half a period before the next. The clock
-(``time.perf_counter``) is around the decision alone, as ``benchmarks/router.py``'s is around
-``choose_replicas``; the time from a decision's scheduled start to its actual start (its wait
+(``time.perf_counter``) is around the decision alone, as ``benchmarks/router_latency.py``'s is
+around ``choose_replicas``; the time from a decision's scheduled start to its actual start (its wait
 for the GIL and for the core) is printed apart, as "late".
 
-The stream is the GPU-only workload of ``benchmarks/relay.py`` (block size 16, vLLM 0.32 map
-events, int hashes, 37 blocks a batch), paced by the publisher, cycled with an
+The stream is the GPU-only workload of ``benchmarks/relay_throughput.py`` (block size 16, vLLM
+0.32 map events, int hashes, 37 blocks a batch), paced by the publisher, cycled with an
 ``AllBlocksCleared`` between cycles, from sequence 0 for every relay window. Cores: the measured
 (main) thread is pinned to core 0; the relay's thread, ZMQ's I/O thread, the helper, the
 publisher and the sink to core 1, so that the figures show the GIL, not two threads
@@ -86,7 +86,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 
 BLOCK_SIZE = 16
 TOPIC = b"kv-events"

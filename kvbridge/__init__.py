@@ -14,7 +14,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Final
 
-    from kvbridge.adapters.dynamo import TieredIndex
+    from kvbridge.adapters.tiered_index import TieredIndex
     from kvbridge.normalizers import DropReason, Normalizer
     from kvbridge.schemas import Overlap, SchemaError, Tier, TieredEvent, VllmBatch, decode_batch
 
@@ -38,7 +38,7 @@ _MODULE_OF: Final = {
     "SchemaError": "kvbridge.schemas",
     "Tier": "kvbridge.schemas",
     "TieredEvent": "kvbridge.schemas",
-    "TieredIndex": "kvbridge.adapters.dynamo",
+    "TieredIndex": "kvbridge.adapters.tiered_index",
     "VllmBatch": "kvbridge.schemas",
     "decode_batch": "kvbridge.schemas",
 }

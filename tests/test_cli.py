@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.relay import RelayProcess
+from support.relay_process import RelayProcess
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
 from kvbridge.adapters.pipeline import StreamPipeline

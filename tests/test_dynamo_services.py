@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.relay import RelayProcess, stop_process, wait_tcp_peers
+from support.relay_process import RelayProcess, stop_process, wait_tcp_peers
 
 from kvbridge.adapters.capture import CaptureReader
-from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
+from kvbridge.adapters.tiered_index import TieredIndex
 
 SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
 BLOCK_SIZE = 4

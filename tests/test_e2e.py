@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.relay import RelayProcess, Samples, wait_tcp_peers
-from support.selection import Overlap, SelectionHarness
+from support.relay_process import RelayProcess, Samples, wait_tcp_peers
+from support.selection_harness import Overlap, SelectionHarness
 from support.vllm_server import (
     ENGINE_BLOCK_SIZE,
     KvEventListener,

@@ -23,8 +23,8 @@ import pytest
 
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.testing import SimulatedEngine
-from tests.support.relay import RelayProcess, Samples, wait_tcp_peers
-from tests.support.selection import SelectionHarness
+from tests.support.relay_process import RelayProcess, Samples, wait_tcp_peers
+from tests.support.selection_harness import SelectionHarness
 
 BLOCK_SIZE = 4
 WORKER = 7

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import zmq
-from support.relay import RelayProcess
+from support.relay_process import RelayProcess
 
 from kvbridge.adapters.ports import free_port_range
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 from support.golden import BLOCK_SIZE, SCENARIOS, Golden, Reference, load, phase_ends
-from support.relay import RelayProcess, port_of, wait_tcp_peers
-from support.selection import SelectionHarness
+from support.relay_process import RelayProcess, port_of, wait_tcp_peers
+from support.selection_harness import SelectionHarness
 
 from kvbridge import Normalizer, Overlap, TieredIndex, decode_batch
 from kvbridge.adapters.ports import free_port_range

@@ -19,7 +19,7 @@ from dynamo.llm import RadixTree
 
 from kvbridge import Normalizer, Overlap, Tier, TieredEvent, TieredIndex, VllmBatch
 from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
-from kvbridge.schemas.dynamo import (
+from kvbridge.schemas.kv_cache_event import (
     EventData,
     KvCacheEvent,
     RemovedData,

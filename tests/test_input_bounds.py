@@ -20,14 +20,8 @@ import zmq
 from kvbridge.adapters.logs import DEFAULT_BURST
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.zmq import (
-    DEFAULT_CLEAR_BURST,
-    MAXMSGSIZE_MARGIN,
-    Message,
-    Source,
-    StreamReset,
-    Subscriber,
-)
+from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.subscriber import DEFAULT_CLEAR_BURST, MAXMSGSIZE_MARGIN, Subscriber
 
 LOCAL = "tcp://127.0.0.1:0"
 TIMEOUT = 10.0

@@ -9,7 +9,7 @@ import structlog
 
 from kvbridge.adapters.logs import DEFAULT_BURST, LogLimiter, cut
 from kvbridge.adapters.pipeline import StreamPipeline
-from kvbridge.adapters.zmq import Message, Source
+from kvbridge.adapters.source import Message, Source
 
 
 class Clock:

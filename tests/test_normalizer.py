@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge import Normalizer, Tier, TieredEvent, decode_batch
 from kvbridge.normalizers.hashing import engine_hash_u64, sequence_hashes, tokens_hashes
-from kvbridge.schemas.dynamo import (
+from kvbridge.schemas.kv_cache_event import (
     EventData,
     KvCacheEvent,
     RemovedData,

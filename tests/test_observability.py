@@ -6,7 +6,7 @@ What is exported is read from the code, not from its text:
 - the relay's metrics from a real :class:`~kvbridge.adapters.relay.Relay` that has been fed
   the bundled sample and one undecodable payload, rendered in Prometheus' text format by
   ``prometheus_client`` and parsed back;
-- the router's from a :class:`~kvbridge.ray_integration.metrics.RouterMetrics` instance: each
+- the router's from a :class:`~kvbridge.ray_integration.router_metrics.RouterMetrics` instance: each
   Ray metric's name and tag keys, named as Ray's metrics agent exports them (its namespace
   ``ray_`` in front; a histogram as ``_bucket``, ``_sum`` and ``_count``; checked against a
   real Ray 2.60 agent when this test was written).
@@ -34,10 +34,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.adapters.capture import CaptureReader
-from kvbridge.adapters.metrics import METRICS, metrics_registry
 from kvbridge.adapters.pipeline import record_source
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source, StreamReset
+from kvbridge.adapters.relay_metrics import METRICS, metrics_registry
+from kvbridge.adapters.source import Source, StreamReset
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvbridge.json"
@@ -88,7 +88,7 @@ def router_metrics() -> Exported:
     from ray._private.telemetry.open_telemetry_metric_recorder import NAMESPACE
     from ray.util.metrics import Counter, Histogram
 
-    from kvbridge.ray_integration.metrics import RouterMetrics
+    from kvbridge.ray_integration.router_metrics import RouterMetrics
 
     exported: Exported = {}
     for metric in vars(RouterMetrics("app#deployment")).values():

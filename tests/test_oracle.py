@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.selection import Overlap, SelectionHarness
+from support.selection_harness import Overlap, SelectionHarness
 from support.streams import Chain, WorkerStream, kvbridge_overlap
 
 from kvbridge import DropReason, TieredIndex

@@ -29,7 +29,8 @@ from kvbridge.adapters.pipeline import (
     record_source,
 )
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.zmq import Message, Source, StreamReset, Subscriber
+from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.schemas import TieredEvent, decode_batch
 from kvbridge.schemas.vllm import Event

@@ -108,18 +108,18 @@ def test_import_kvbridge_is_light() -> None:
     assert report == {
         "loaded": [],
         "missing_from_dir": [],
-        "index": "kvbridge.adapters.dynamo",
+        "index": "kvbridge.adapters.tiered_index",
         "dynamo_after": True,
     }
 
 
 def test_lazy_names_are_the_modules_own() -> None:
-    import kvbridge.adapters.dynamo
+    import kvbridge.adapters.tiered_index
     import kvbridge.schemas
 
-    assert kvbridge.Overlap is kvbridge.schemas.Overlap is kvbridge.adapters.dynamo.Overlap
+    assert kvbridge.Overlap is kvbridge.schemas.Overlap is kvbridge.adapters.tiered_index.Overlap
     assert kvbridge.Overlap.__module__ == "kvbridge.schemas.overlap"
-    assert kvbridge.TieredIndex is kvbridge.adapters.dynamo.TieredIndex
+    assert kvbridge.TieredIndex is kvbridge.adapters.tiered_index.TieredIndex
     assert kvbridge.decode_batch is kvbridge.schemas.decode_batch
     for name in kvbridge.__all__:
         assert getattr(kvbridge, name) is not None

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import xxhash
 import zmq
-from support.selection import SelectionHarness, wait_connected
+from support.selection_harness import SelectionHarness, wait_connected
 
 from kvbridge.adapters.publisher import END_SEQ, Publisher, should_bind
 

@@ -20,9 +20,9 @@ pytest.importorskip("ray.serve")
 
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState
-from kvbridge.ray_integration.engine import KVEventPorts
+from kvbridge.ray_integration.engine_config import KVEventPorts
 from kvbridge.schemas.vllm import BlockStored
 from kvbridge.testing.events import encoded
 

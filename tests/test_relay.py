@@ -27,13 +27,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from support.relay import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
-from support.selection import Overlap, SelectionHarness
+from support.relay_process import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
+from support.selection_harness import Overlap, SelectionHarness
 
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import BLOCK_SIZE, encoded, placeholder, removed, stored
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from kvbridge.adapters.dynamo import Overlap
+from kvbridge.adapters.tiered_index import Overlap
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState, worker_id_for
 from kvbridge.testing import SimulatedEngine
 

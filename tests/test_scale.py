@@ -23,7 +23,7 @@ import zmq
 from kvbridge import TieredIndex
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.adapters.selection import TUNING_ENV, SelectionClient
+from kvbridge.adapters.selection_client import TUNING_ENV, SelectionClient
 from kvbridge.testing import SimulatedEngine
 
 BLOCK = 32

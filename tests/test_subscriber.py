@@ -30,7 +30,8 @@ from kvbridge import TieredIndex
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Message, Source, StreamReset, Subscriber
+from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes

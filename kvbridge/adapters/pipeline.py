@@ -8,7 +8,7 @@ thing with a worker's stream, and it is easy to get subtly wrong when written se
   in Dynamo);
 - a payload that does not decode is counted (``bad_frame:schema``), logged with its stream and
   sequence number, and skipped, leaving every state as it was;
-- a reset of one source (:class:`~kvbridge.adapters.zmq.StreamReset`: the engine restarted or
+- a reset of one source (:class:`~kvbridge.adapters.source.StreamReset`: the engine restarted or
   batches were lost for good) clears exactly the dp ranks that source delivered, and nothing
   of the worker's other sources;
 - a source reset before any batch named its rank is *uncleared*: its first batch is preceded
@@ -38,10 +38,10 @@ from typing import Protocol
 import structlog
 
 from kvbridge.adapters.capture import FrameRecord
-from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.zmq import Message, Source, StreamReset
+from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.normalizers import Normalizer
 from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.schemas import SchemaError, VllmBatch
@@ -70,7 +70,7 @@ class EventSink(Protocol):
 
 
 class IndexSink:
-    """Feeds a :class:`~kvbridge.adapters.dynamo.TieredIndex`.
+    """Feeds a :class:`~kvbridge.adapters.tiered_index.TieredIndex`.
 
     An adapter rather than a method of the index: ``TieredIndex.apply`` takes any iterable of
     events and is called that way by many users; a sink is a pipeline's view of it.
@@ -181,7 +181,8 @@ class StreamPipeline:
         return sorted(seen) if seen else [worker.layout_ranks.get(source, 0)]
 
     def feed(self, item: Message | StreamReset) -> None:
-        """What a :class:`~kvbridge.adapters.zmq.Subscriber` hands out: a batch or a reset."""
+        """What a :class:`~kvbridge.adapters.subscriber.Subscriber` hands out: a batch or a
+        reset."""
         if isinstance(item, StreamReset):
             self.feed_reset(item)
         else:

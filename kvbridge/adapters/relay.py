@@ -19,7 +19,7 @@ relay sees as its input sequence going back, goes out as an ``AllBlocksCleared``
 whose sequence keeps increasing.
 
 Without a publish endpoint the relay only tracks state (``kvbridge watch``); with an ``index``
-it also feeds an in-process :class:`~kvbridge.adapters.dynamo.TieredIndex`. Both are sinks of
+it also feeds an in-process :class:`~kvbridge.adapters.tiered_index.TieredIndex`. Both are sinks of
 the pipeline: the index sees every source, each publisher its own.
 
 What a listener behind the relay can always recover from (checked against Dynamo 1.6.1's
@@ -59,10 +59,11 @@ from typing import Final
 import msgspec
 import zmq
 
-from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, ReplayServer
-from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES, Source, Subscriber
+from kvbridge.adapters.source import Source
+from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES, Subscriber
+from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.normalizers.batch import NormalizedBatch
 
 __all__ = ["Relay", "offset_endpoint"]

@@ -9,8 +9,8 @@ from importlib import resources
 from pathlib import Path
 
 from kvbridge.adapters.capture import CaptureReader
-from kvbridge.adapters.dynamo import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
+from kvbridge.adapters.tiered_index import TieredIndex
 
 __all__ = ["run_demo"]
 

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import structlog
 
 from kvbridge.adapters.endpoints import Endpoint, SilenceWatch
-from kvbridge.adapters.metrics import serve_metrics
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source, Subscriber
+from kvbridge.adapters.relay_metrics import serve_metrics
+from kvbridge.adapters.source import Source
+from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.cli.usage import MissingExtra, UsageError
 
 __all__ = ["delivered", "silence", "sources", "start_metrics", "until"]

@@ -12,7 +12,7 @@ import argparse
 from typing import Any, Final, NoReturn
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS
-from kvbridge.adapters.zmq import DEFAULT_MAX_FRAME_BYTES
+from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES
 from kvbridge.cli import arguments
 from kvbridge.cli.demo_command import run_demo
 from kvbridge.cli.record_command import run_record

@@ -10,7 +10,8 @@ import msgspec
 import structlog
 
 from kvbridge.adapters.capture import CaptureWriter, read_prompts
-from kvbridge.adapters.zmq import StreamReset, Subscriber
+from kvbridge.adapters.source import StreamReset
+from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.cli import live
 from kvbridge.cli.sockets import check_uses, source_uses
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Message, Source, StreamReset
+from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.cli.usage import MissingExtra
 from kvbridge.cli.validation import BENIGN
 from kvbridge.schemas.tiers import Tier

@@ -21,14 +21,14 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.ray_integration.advert import ROUTING_STATS_KEY, KVEventsAdvert, read_advert
-from kvbridge.ray_integration.engine import (
+from kvbridge.ray_integration.engine_config import (
     KVEventPorts,
     engine_env,
     kv_events_config,
     vllm_engine_kwargs,
 )
+from kvbridge.ray_integration.kv_router import DynamoKVRouter, deployment_key
 from kvbridge.ray_integration.replica import KVEventsReplica
-from kvbridge.ray_integration.router import DynamoKVRouter, deployment_key
 from kvbridge.ray_integration.routing import (
     RouterStats,
     RoutingState,
@@ -37,7 +37,7 @@ from kvbridge.ray_integration.routing import (
 )
 
 if TYPE_CHECKING:
-    from kvbridge.ray_integration.router import DynamoKVRouter as DynamoLLMRouter  # noqa: F401
+    from kvbridge.ray_integration.kv_router import DynamoKVRouter as DynamoLLMRouter  # noqa: F401
 
 __all__ = [
     "ROUTING_STATS_KEY",

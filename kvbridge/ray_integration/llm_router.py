@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import structlog
 
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
 from kvbridge.ray_integration.prompt import TOKEN_FIELDS, _field
 from kvbridge.ray_integration.routing import RoutingState, worker_id_for
 from kvbridge.ray_integration.tokenize import VllmTokenizer
 
 if TYPE_CHECKING:
-    from kvbridge.ray_integration.router import DynamoKVRouter
+    from kvbridge.ray_integration.kv_router import DynamoKVRouter
 
     DynamoLLMRouter: type[DynamoKVRouter]
 
@@ -273,7 +273,7 @@ def _make_router_class() -> type[DynamoKVRouter]:
     from ray.serve.llm.request_router import KVAwareRouter
     from ray.serve.request_router import PendingRequest, RunningReplica
 
-    from kvbridge.ray_integration.router import DynamoKVRouter
+    from kvbridge.ray_integration.kv_router import DynamoKVRouter
 
     class DynamoLLMRouter(DynamoKVRouter, KVAwareRouter):
         """:class:`DynamoKVRouter` that Ray Serve LLM's engines publish KV events for, with

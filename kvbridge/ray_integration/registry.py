@@ -2,8 +2,8 @@
 the router, becomes a worker of the ``SelectionService``, and leaves it when the replica goes.
 
 One of the parts of a :class:`~kvbridge.ray_integration.routing.RoutingState`; the service calls
-run on the :class:`~kvbridge.adapters.selection.SelectionClient`'s loop, which no decision waits
-for.
+run on the :class:`~kvbridge.adapters.selection_client.SelectionClient`'s loop, which no
+decision waits for.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from kvbridge.adapters.selection import SelectionClient, SelectionServiceError
+from kvbridge.adapters.selection_client import SelectionClient, SelectionServiceError
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
 
 __all__ = ["Worker", "WorkerRegistry", "worker_id_for"]

@@ -15,9 +15,13 @@ import ray
 import structlog
 
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.ray_integration.advert import KVEventsAdvert
-from kvbridge.ray_integration.engine import KVEventPorts, kv_events_config, vllm_engine_kwargs
+from kvbridge.ray_integration.engine_config import (
+    KVEventPorts,
+    kv_events_config,
+    vllm_engine_kwargs,
+)
 
 __all__ = ["KVEventsReplica"]
 
@@ -89,7 +93,7 @@ class KVEventsReplica:
 
     def vllm_engine_kwargs(self, **engine_kwargs: Any) -> dict[str, Any]:
         """vLLM engine arguments for this replica; see
-        :func:`kvbridge.ray_integration.engine.vllm_engine_kwargs`."""
+        :func:`kvbridge.ray_integration.engine_config.vllm_engine_kwargs`."""
         return vllm_engine_kwargs(
             self.kv_ports, block_size=self.kv_block_size, topic=self.kv_topic, **engine_kwargs
         )

@@ -6,7 +6,7 @@ the request on another replica, freed when a late answer reserved load nobody us
 after a TTL when no completion ever comes. On completion the router also checks its token ids
 against the engine's (:meth:`Reservations.release`). One of the parts of a
 :class:`~kvbridge.ray_integration.routing.RoutingState`; the frees and checks run on the
-:class:`~kvbridge.adapters.selection.SelectionClient`'s loop.
+:class:`~kvbridge.adapters.selection_client.SelectionClient`'s loop.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from kvbridge.adapters.selection import SelectionClient
+from kvbridge.adapters.selection_client import SelectionClient
 from kvbridge.ray_integration.decisions import Choice
 from kvbridge.schemas import Overlap
 

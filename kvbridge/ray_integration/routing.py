@@ -14,7 +14,7 @@ loop), where a round trip through another loop took three, about 0.2 ms of a 0.8
 (docs/benchmarks.md). A service that does not answer in time delays a decision by at most that
 timeout, and Serve's loop never blocks on it: the call only converts the request (a few hundred
 integers in the precomputed form) before it returns its future. Registrations and frees, which
-no decision waits for, run on the :class:`~kvbridge.adapters.selection.SelectionClient`'s own
+no decision waits for, run on the :class:`~kvbridge.adapters.selection_client.SelectionClient`'s own
 loop.
 """
 
@@ -32,12 +32,12 @@ from typing import Any, Final
 
 import structlog
 
-from kvbridge.adapters.selection import SelectionClient, SelectionServiceError
+from kvbridge.adapters.selection_client import SelectionClient, SelectionServiceError
 from kvbridge.normalizers.hashing import block_seed, sequence_hashes, tokens_hash
 from kvbridge.ray_integration.decisions import Choice, Decision, NoChoice, RouterStats
-from kvbridge.ray_integration.metrics import RouterMetrics
 from kvbridge.ray_integration.registry import WorkerRegistry, worker_id_for
 from kvbridge.ray_integration.reservations import Reservation, Reservations
+from kvbridge.ray_integration.router_metrics import RouterMetrics
 from kvbridge.schemas import Overlap
 
 __all__ = [
@@ -70,7 +70,7 @@ class RoutingState:
         select_timeout_s: how long a decision may wait for Dynamo before the fallback.
         reservation_ttl_s: a reservation whose completion never arrives is freed after this.
         indexer_threads: the service's indexer threads.
-        tuning: Dynamo's router weights (see :data:`kvbridge.adapters.selection.TUNING_ENV`).
+        tuning: Dynamo's router weights (see :data:`kvbridge.adapters.selection_client.TUNING_ENV`).
         token_check_delay_s: how long after a request completed its prompt is looked up (see
             :attr:`RouterStats.token_checks`): time for the engine's events to reach Dynamo.
             ``None``: no checks.

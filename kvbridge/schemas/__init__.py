@@ -1,8 +1,8 @@
 """Typed wire formats and values: vLLM's KV events (every release), Dynamo's KvCacheEvent,
 kvbridge's tiers and overlaps."""
 
-from kvbridge.schemas.dynamo import KvCacheEvent
 from kvbridge.schemas.errors import SchemaError
+from kvbridge.schemas.kv_cache_event import KvCacheEvent
 from kvbridge.schemas.overlap import Overlap
 from kvbridge.schemas.tiers import Tier, TieredEvent
 from kvbridge.schemas.vllm import (

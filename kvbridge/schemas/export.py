@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from kvbridge.schemas.dynamo import KvCacheEvent
+from kvbridge.schemas.kv_cache_event import KvCacheEvent
 from kvbridge.schemas.vllm import LAYOUTS, layout_types
 
 __all__ = ["json_schema"]

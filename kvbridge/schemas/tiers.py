@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-from kvbridge.schemas.dynamo import KvCacheEvent
+from kvbridge.schemas.kv_cache_event import KvCacheEvent
 
 __all__ = ["Tier", "TieredEvent"]
 

@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Final, Self
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, should_bind
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.schemas.vllm import (
     BlockHash,
     Event,
@@ -245,7 +245,8 @@ class SimulatedEngine:
         return self._total_published
 
     def source(self, worker_id: int = 0) -> Source:
-        """The :class:`~kvbridge.adapters.zmq.Source` a kvbridge subscriber uses for this engine.
+        """The :class:`~kvbridge.adapters.source.Source` a kvbridge subscriber uses for this
+        engine.
 
         It connects to the bound PUB socket (``bind=False``) even though the address has no
         wildcard, which under vLLM's rule would make the subscriber bind.

@@ -1,6 +1,7 @@
-"""The index that follows simulated engines: a :class:`~kvbridge.adapters.dynamo.TieredIndex` fed
-by kvbridge's relay on a background thread, so that tests can check what a router would see
-(docs/simulator.md, "Following engines")."""
+"""The index that follows simulated engines: a
+:class:`~kvbridge.adapters.tiered_index.TieredIndex` fed by kvbridge's relay on a background
+thread, so that tests can check what a router would see (docs/simulator.md, "Following
+engines")."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Final, Self
 
-from kvbridge.adapters.dynamo import Overlap, TieredIndex
 from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.tiered_index import Overlap, TieredIndex
 from kvbridge.schemas.tiers import Tier
 from kvbridge.testing.simulated_engine import SimulatedEngine
 
@@ -21,7 +22,7 @@ _STEP_MS: Final = 20
 
 
 class SyncedIndex(TieredIndex):
-    """A :class:`~kvbridge.adapters.dynamo.TieredIndex` fed live from simulated engines.
+    """A :class:`~kvbridge.adapters.tiered_index.TieredIndex` fed live from simulated engines.
 
     A background thread runs a :class:`~kvbridge.adapters.relay.Relay` that subscribes to every
     engine (with its replay socket) and applies the canonical events to this index, exactly as

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 
 __all__ = ["dump_rows", "index_of", "overlaps"]
 

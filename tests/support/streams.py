@@ -6,7 +6,7 @@ keys), sent as the u64 vLLM makes of a digest or as the raw 32-byte digest, with
 events that name its blocks.
 
 A :class:`WorkerStream` owns one :class:`~kvbridge.adapters.publisher.Publisher` per dp rank,
-registers the worker with a :class:`~support.selection.SelectionHarness`, and sends every batch
+registers the worker with a :class:`~support.selection_harness.SelectionHarness`, and sends every batch
 twice from the *same bytes*: over ZMQ to the service, and through the relay's
 :class:`~kvbridge.adapters.pipeline.StreamPipeline` into a ``TieredIndex``.
 :meth:`WorkerStream.sync` publishes a sentinel chain (GPU → CPU → DISK) on each rank and waits
@@ -23,12 +23,12 @@ from typing import Any, Self
 from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.normalizers.hashing import engine_hash_u64
 from kvbridge.schemas.vllm import AllBlocksCleared, BlockStored, Event
 from kvbridge.testing.events import TS0, encoded, placeholder, removed, stored
 from kvbridge.testing.vllm_hashes import block_digests, none_hash
-from support.selection import Overlap, SelectionHarness, wait_connected
+from support.selection_harness import Overlap, SelectionHarness, wait_connected
 
 __all__ = ["Chain", "WorkerStream", "kvbridge_overlap"]
 

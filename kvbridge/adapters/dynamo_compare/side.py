@@ -18,7 +18,7 @@ from kvbridge.adapters.capture import Prompt
 from kvbridge.adapters.dynamo_compare.ledger import Key
 from kvbridge.adapters.dynamo_compare.report import TierCounts
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.selection import SelectionClient
+from kvbridge.adapters.selection_client import SelectionClient
 from kvbridge.normalizers.hashing import sequence_hashes
 from kvbridge.schemas import BlockStored, VllmBatch
 from kvbridge.schemas.tiers import Tier

@@ -84,7 +84,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 or chat messages into token ids.
             indexer_threads: Dynamo's indexer threads.
             tuning: Dynamo's router weights by name, e.g. ``{"prefill_load_scale": 2.0}``
-                (see :data:`kvbridge.adapters.selection.TUNING_ENV`).
+                (see :data:`kvbridge.adapters.selection_client.TUNING_ENV`).
             dp_rank_kwarg: the keyword argument that tells the replica which data-parallel rank
                 Dynamo picked (e.g. ``"data_parallel_rank"``, as vLLM's ``generate`` takes it);
                 ``None`` passes nothing. A request Serve places on a replica other than Dynamo's

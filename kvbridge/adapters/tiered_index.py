@@ -20,7 +20,13 @@ import msgspec
 from dynamo.llm import RadixTree
 
 from kvbridge.normalizers.hashing import tokens_hashes
-from kvbridge.schemas.dynamo import EventData, KvCacheEvent, RemovedData, StoredBlock, StoredData
+from kvbridge.schemas.kv_cache_event import (
+    EventData,
+    KvCacheEvent,
+    RemovedData,
+    StoredBlock,
+    StoredData,
+)
 from kvbridge.schemas.overlap import Overlap  # re-exported: it used to live here
 from kvbridge.schemas.tiers import Tier, TieredEvent
 

@@ -11,8 +11,8 @@ All three take the same frames, published by this process on 127.0.0.1, in the s
   tracking, the native core's decode and normalize, canonical payloads, publish with a replay
   buffer), driven by :meth:`~kvbridge.adapters.relay.Relay.step`;
 - **dynamo**: no middle and no sink: a real Dynamo ``SelectionService``
-  (:class:`~kvbridge.adapters.selection.SelectionClient`, default indexer threads) in a process
-  pinned to core 1 registers the worker with the publisher's endpoint directly, as a user
+  (:class:`~kvbridge.adapters.selection_client.SelectionClient`, default indexer threads) in a
+  process pinned to core 1 registers the worker with the publisher's endpoint directly, as a user
   without kvbridge would, and indexes the frames itself.
 
 The workload is the simulator of ``benchmarks/normalize.py`` (block size 16, vLLM 0.32 map
@@ -42,7 +42,7 @@ relay / forward >= 0.5 and relay / Dynamo >= 2.
 prints where its time goes; ``--perf-fifo`` has a ``perf record -a --control fifo:FIFO -D -1``
 sample only the timed windows; ``--middles`` runs some of the three.
 
-Run: python benchmarks/relay.py [--blocks N] [--repeat R] [--poll-ms MS] [--profile]
+Run: python benchmarks/relay_throughput.py [--blocks N] [--repeat R] [--poll-ms MS] [--profile]
          [--middles M ...] [--perf-fifo FIFO]
 """
 
@@ -79,7 +79,7 @@ from normalize import VARIANTS, Family, count_blocks, encode_steps, simulate
 
 from kvbridge import Normalizer
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.zmq import Source
+from kvbridge.adapters.source import Source
 from kvbridge.schemas.tiers import Tier
 from kvbridge.schemas.vllm import BlockStored, VllmBatch, encode_batch, layout_for
 
@@ -214,7 +214,7 @@ def dynamo(
     """Dynamo's own ingest: a SelectionService on the publisher's endpoint, polled for the
     sentinel; then the blocks its index holds."""
     _pin(1)  # before the service starts its threads, so that they inherit it
-    from kvbridge.adapters.selection import SelectionClient
+    from kvbridge.adapters.selection_client import SelectionClient
 
     with SelectionClient() as client:
         record = client.call_sync(

@@ -46,7 +46,8 @@ Dynamo logs every selection at INFO level (and each new worker at WARN): the scr
 ``DYN_LOG=error`` unless it is set, so the figures leave out writing those lines. kvbridge's own
 logs are shown from WARNING up.
 
-Run: python benchmarks/router.py [--replicas 4 16 64] [--iterations N] [--warmup N] [--profile]
+Run: python benchmarks/router_latency.py [--replicas 4 16 64] [--iterations N] [--warmup N]
+[--profile]
 """
 
 from __future__ import annotations

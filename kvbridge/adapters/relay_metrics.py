@@ -14,7 +14,7 @@ from kvbridge.schemas.tiers import Tier
 
 if TYPE_CHECKING:
     from kvbridge.adapters.relay import Relay
-    from kvbridge.adapters.zmq import Subscriber
+    from kvbridge.adapters.subscriber import Subscriber
 
 __all__ = ["METRICS", "metrics_registry", "serve_metrics"]
 

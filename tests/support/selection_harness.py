@@ -1,7 +1,7 @@
 """Run a real, in-process ``dynamo.llm.SelectionService`` for tests and read its overlap scores.
 
 :class:`SelectionHarness` is a blocking, test-shaped API over
-:class:`kvbridge.adapters.selection.SelectionClient`, which runs the service on an event loop of
+:class:`kvbridge.adapters.selection_client.SelectionClient`, which runs the service on an event loop of
 its own.
 
 Slow joiners. ``upsert_worker`` returns *before* the service's ZMQ SUB is connected: the listener
@@ -26,7 +26,7 @@ from typing import Any, Self
 from dynamo.llm.exceptions import SelectionServiceError
 
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.selection import SelectionClient
+from kvbridge.adapters.selection_client import SelectionClient
 
 __all__ = ["Overlap", "SelectionHarness", "wait_connected"]
 
@@ -51,7 +51,7 @@ def wait_connected(publisher: Publisher, count: int = 1, timeout: float = 5.0) -
 
 class SelectionHarness:
     """A real ``SelectionService`` driven from synchronous test code (through
-    :class:`kvbridge.adapters.selection.SelectionClient`).
+    :class:`kvbridge.adapters.selection_client.SelectionClient`).
 
     Use it as a context manager, or call :meth:`close`.
     """

@@ -1,0 +1,63 @@
+"""What a subscriber reads from and hands on: a :class:`Source` (one vLLM publisher), each batch
+as a :class:`Message` of raw frames, and a :class:`StreamReset` when what a consumer derived
+from a source must be cleared. Plain values, shared by the subscriber, the pipeline, the relay
+and the recorder.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvbridge.adapters.publisher import should_bind
+
+__all__ = ["Message", "Source", "StreamReset", "connect_address"]
+
+
+def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
+    """The address to connect to for an endpoint a peer binds (its wildcard host replaced)."""
+    return endpoint.replace("*", host, 1) if "*" in endpoint else endpoint
+
+
+class Source(msgspec.Struct, frozen=True):
+    """One vLLM publisher: its configured ``endpoint`` (vLLM's ``KVEventsConfig.endpoint``),
+    its replay endpoint, and the worker it belongs to.
+
+    ``bind`` overrides vLLM's bind/connect rule, e.g. to connect to a remote engine that binds
+    ``tcp://*:5557`` (give ``tcp://10.0.0.5:5557`` with ``bind=False``).
+    """
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    worker_id: int = 0
+    topic: str = ""
+    bind: bool | None = None
+
+    @property
+    def subscriber_binds(self) -> bool:
+        return not should_bind(self.endpoint) if self.bind is None else self.bind
+
+
+class Message(msgspec.Struct, frozen=True):
+    """One batch as received, live or through a replay."""
+
+    source: Source
+    seq: int
+    topic: bytes
+    payload: bytes
+    received_ns: int
+    replayed: bool = False
+
+    @property
+    def frames(self) -> list[bytes]:
+        return [self.topic, self.seq.to_bytes(8, "big"), self.payload]
+
+
+class StreamReset(msgspec.Struct, frozen=True):
+    """The consumer must clear everything it derived from this source."""
+
+    source: Source
+    reason: Literal["restart", "lost"]
+    lost_batches: int = 0
+    """For ``"lost"``: batches that no replay could recover (a lower bound if unknown)."""
