@@ -27,10 +27,9 @@ from kvbridge.adapters.dynamo_compare.report import (
     TierCounts,
     WorkerOverlap,
 )
-from kvbridge.adapters.dynamo_compare.side import Side, sentinel_tokens
+from kvbridge.adapters.dynamo_compare.side import Side
 from kvbridge.adapters.pipeline import PublisherSink, StreamPipeline, record_source
 from kvbridge.adapters.ports import free_port_range
-from kvbridge.normalizers.hashing import tokens_hashes
 from kvbridge.schemas.tiers import Tier
 
 __all__ = ["compare_captures"]
@@ -57,10 +56,6 @@ def compare_captures(
     names = [str(path) for path in paths]
     streams, asked = load_streams(names, block_size, prompts)
     specs = [(stream.worker_id, stream.block_size) for stream in streams]
-    sentinels = frozenset(
-        tokens_hashes(sentinel_tokens(index, size), size)[0]
-        for index, (_, size) in enumerate(specs)
-    )
     base = free_port_range(2 * len(streams)) if streams else 0
     with contextlib.ExitStack() as stack:
         alone = Side(specs, base)
@@ -70,6 +65,7 @@ def compare_captures(
         ledger = _replay(streams, alone, bridged)
         alone.finish(specs)
         bridged.finish(specs)
+        sentinels = frozenset(alone.sentinels | bridged.sentinels)
         resident = _diff(alone.resident(sentinels), bridged.resident(sentinels), ledger)
         overlaps = [
             _prompt_overlap(capture, size, prompt, alone, bridged)
@@ -102,20 +98,29 @@ def _summary(
 def _replay(streams: Sequence[Stream], alone: Side, bridged: Side) -> Ledger:
     """Send every record raw to one side and through the pipeline to the other, in the order
     of receipt over all streams (each stream's own order kept); the ledger follows the raw
-    events."""
+    events. Before the first record of another capture, the raw side waits until Dynamo has
+    applied the streams sent so far (:meth:`Side.sync`), so that the engine whose batches came
+    first is the first writer in Dynamo too, whatever its listeners' timing."""
     ledger = Ledger({stream.worker_id: stream.block_size for stream in streams})
     pipelines: dict[str, StreamPipeline] = {}
     for index, stream in enumerate(streams):
         pipeline = pipelines.setdefault(stream.capture, StreamPipeline(stream.block_size))
         sink = PublisherSink(bridged.publishers[index])
         pipeline.add_source(record_source(stream.records[0]), sink)
+    sent: dict[int, int] = {}
+    """Streams of the capture being replayed, sent since the last sync: {index: worker_id}."""
+    capture: str | None = None
     for index, record in in_receipt_order([stream.records for stream in streams]):
         if not record.frames:
             continue
         stream = streams[index]
-        alone.publishers[index].send_frames(record.frames)
-        if record.seq is not None:
-            alone.next_seq[index] = record.seq + 1
+        if stream.capture != capture:
+            if sent:
+                alone.sync(sent)
+                sent = {}
+            capture = stream.capture
+        sent[index] = stream.worker_id
+        alone.send_recorded(index, record.frames, record.seq)
         batch = decoded(record)
         if batch is not None:
             ledger.observe(stream.worker_id, batch)

@@ -4,6 +4,12 @@ Dynamo applies what it receives on its own threads. To know when it has seen eve
 stream ends with a *sentinel*: one block of a token that no tokenizer emits, stored after the
 last recorded batch; once the sentinel is visible on a worker and rank, everything before it on
 that stream has been applied. Sentinel blocks are left out of every comparison.
+
+Dynamo's listeners apply different streams concurrently, so when two engines store the same
+tokens under different hashes, which one Dynamo keeps depends on which listener ran first. To
+make that the engine whose batch came first, :meth:`Side.sync` waits (with a sentinel) for
+the streams sent so far before the replay moves on to another capture; the raw streams'
+sequence numbers then continue one past each sentinel.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from kvbridge.adapters.dynamo_compare.ledger import Key
 from kvbridge.adapters.dynamo_compare.report import TierCounts
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.selection_client import SelectionClient
-from kvbridge.normalizers.hashing import sequence_hashes
+from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
 from kvbridge.schemas import BlockStored, VllmBatch
 from kvbridge.schemas.tiers import Tier
 from kvbridge.schemas.vllm import encode_batch, layout_for
@@ -54,8 +60,13 @@ class Side:
         self.last_rank: list[int] = [0] * len(streams)
         """The dp rank of each stream's last batch, where its sentinel goes."""
         self.next_seq: list[int | None] = [None] * len(streams)
-        """For streams sent as recorded: the seq after the last recorded one (the sentinel's).
+        """For streams sent as recorded: the seq after the last one sent (a sentinel's).
         ``None``: the publisher numbers the batches itself."""
+        self.inserted: list[int] = [0] * len(streams)
+        """Sentinels sent on each stream so far: its recorded seqs go out this much later."""
+        self.sentinels: set[int] = set()
+        """The ``tokens_hash`` of every sentinel block sent, to leave out of the comparison."""
+        self._block_sizes = [block_size for _, block_size in streams]
         try:
             for index in range(len(streams)):
                 endpoint = f"tcp://127.0.0.1:{base_port + index}"
@@ -89,18 +100,37 @@ class Side:
             if not publisher.wait_for_subscribers(timeout=SYNC_TIMEOUT_S):
                 raise RuntimeError(f"Dynamo never subscribed to {publisher.endpoint}")
 
+    def send_recorded(self, index: int, frames: list[bytes], seq: int | None) -> None:
+        """A recorded message on stream ``index``, its seq moved past the sentinels sent."""
+        shift = self.inserted[index]
+        if shift and seq is not None and len(frames) == 3 and len(frames[1]) == 8:
+            frames = [frames[0], (seq + shift).to_bytes(8, "big"), frames[2]]
+        self.publishers[index].send_frames(frames)
+        if seq is not None:
+            self.next_seq[index] = seq + shift + 1
+
     def finish(self, streams: Sequence[tuple[int, int]]) -> None:
-        """Send each stream's sentinel and wait until Dynamo has applied every stream.
+        """Wait until Dynamo has applied every stream (see :meth:`sync`)."""
+        self.sync({index: worker_id for index, (worker_id, _) in enumerate(streams)})
+
+    def sync(self, streams: Mapping[int, int]) -> None:
+        """Send a sentinel on each of ``streams`` ({index: worker_id}) and wait until Dynamo
+        shows them all: everything sent on those streams before has been applied.
 
         Raises:
             RuntimeError: a sentinel is not visible within :data:`SYNC_TIMEOUT_S`.
         """
         waiting = {}
-        for index, (worker_id, block_size) in enumerate(streams):
-            rank = self.last_rank[index]
-            sentinel = _sentinel(index, block_size, rank)
-            self.publishers[index].publish(sentinel, seq=self.next_seq[index])
-            waiting[index] = (worker_id, rank, Prompt("", sentinel_tokens(index, block_size)))
+        for index, worker_id in streams.items():
+            rank, block_size = self.last_rank[index], self._block_sizes[index]
+            tokens = sentinel_tokens(index, block_size, self.inserted[index])
+            seq = self.next_seq[index]
+            self.publishers[index].publish(_sentinel(index, tokens, rank), seq=seq)
+            if seq is not None:
+                self.inserted[index] += 1
+                self.next_seq[index] = seq + 1
+            self.sentinels.add(tokens_hashes(tokens, block_size)[0])
+            waiting[index] = (worker_id, rank, Prompt("", tokens))
         deadline = time.monotonic() + SYNC_TIMEOUT_S
         while waiting:
             for index, (worker_id, rank, prompt) in list(waiting.items()):
@@ -140,15 +170,17 @@ class Side:
         self.client.close()
 
 
-def sentinel_tokens(index: int, block_size: int) -> list[int]:
-    """The tokens of stream ``index``'s sentinel block, distinct for every stream."""
-    return [_SENTINEL_TOKEN - index] * block_size
+def sentinel_tokens(index: int, block_size: int, sent: int = 0) -> list[int]:
+    """The tokens of stream ``index``'s sentinel block after ``sent`` earlier ones: distinct
+    for every stream and every sentinel (the block's first token counts them)."""
+    return [_SENTINEL_TOKEN - sent] + [_SENTINEL_TOKEN - 1024 - index] * (block_size - 1)
 
 
-def _sentinel(index: int, block_size: int, rank: int) -> bytes:
-    """A batch storing stream ``index``'s sentinel block on ``rank``, in vLLM 0.32's layout."""
-    tokens = sentinel_tokens(index, block_size)
-    store = BlockStored([_SENTINEL_HASH + index], None, tokens, block_size, None, "GPU", None)
+def _sentinel(index: int, tokens: list[int], rank: int) -> bytes:
+    """A batch storing a sentinel block of stream ``index`` on ``rank``, in vLLM 0.32's
+    layout (an engine hash of its own, from its first token)."""
+    engine_hash = _SENTINEL_HASH + 1024 * index + (_SENTINEL_TOKEN - tokens[0])
+    store = BlockStored([engine_hash], None, tokens, len(tokens), None, "GPU", None)
     return encode_batch(VllmBatch(time.time(), [store], rank), _SENTINEL_LAYOUT)
 
 
