@@ -123,6 +123,7 @@ def test_one_relay_with_1000_sources() -> None:
             cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
             running = (_threads(), _fds(), _rss_mb())
             python_threads = threading.active_count()
+        assert relay._thread is not None and not relay._thread.is_alive(), "relay thread stopped"
         idle_cpu = (
             (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / (wall1 - wall0) * 100
         )
@@ -146,5 +147,6 @@ def test_one_relay_with_1000_sources() -> None:
     finally:
         for socket in engines:
             socket.close(0)
-        engines_ctx.term()
-        relay_ctx.term()
+        # destroy, not term: a socket an assertion left open must not hang the suite.
+        engines_ctx.destroy(linger=0)
+        relay_ctx.destroy(linger=0)
