@@ -40,7 +40,6 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from run_info import checkout, machine, write_results
 
 RETAIN_EVICTED = 100_000
 """The Normalizer's default ``retain_evicted``."""
@@ -215,17 +215,10 @@ def run_case(case: str, payload_file: Path, block_size: int, blocks: int) -> dic
     return result
 
 
-def _checkout() -> Path:
-    """The checkout whose kvbridge this interpreter imports (the one measured)."""
-    import kvbridge
-
-    return Path(kvbridge.__file__).resolve().parents[1]
-
-
 def spawn(case: str, payload_file: Path, block_size: int, blocks: int, before: Path | None) -> Any:
     """Runs one case in a fresh interpreter and checks which kvbridge it imported."""
     env = dict(os.environ)
-    home = _checkout()
+    home = checkout()
     if case == "before":
         assert before is not None
         home = before.resolve()
@@ -242,30 +235,6 @@ def spawn(case: str, payload_file: Path, block_size: int, blocks: int, before: P
 
 
 # -- reporting -------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    model = "unknown"
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    git = ["git", "-C", str(_checkout())]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "kvbridge", "native"], capture_output=True, text=True
-    )
-    return {
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "msgspec": msgspec.__version__,
-        "commit": commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else ""),
-        "kvbridge": _checkout().as_posix(),
-        "load_average": os.getloadavg()[0],
-    }
 
 
 def _per_block(value: int | None, blocks: int) -> str:
@@ -378,17 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'-' if trimmed is None else f'{trimmed / 1e6:7.1f}':>7}  {verdict}"
         )
     if args.json is not None:
-        host["load_average_end"] = os.getloadavg()[0]
-        document = {
-            "benchmark": "memory",
-            "machine": host,
-            "blocks": args.blocks,
-            "chain": args.chain,
-            "retain_evicted": RETAIN_EVICTED,
-            "cases": results,
-        }
-        args.json.write_text(json.dumps(document, indent=1) + "\n")
-        print(f"\nresults written to {args.json}")
+        write_results(
+            args.json,
+            "memory",
+            host,
+            blocks=args.blocks,
+            chain=args.chain,
+            retain_evicted=RETAIN_EVICTED,
+            cases=results,
+        )
     return 0
 
 

@@ -52,7 +52,6 @@ import gc
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -67,8 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from run_info import machine, write_results
 
-import kvbridge
 from kvbridge import Normalizer, decode_batch
 from kvbridge.normalizers.batch import _TIERED_EVENTS
 from kvbridge.schemas.vllm import (
@@ -650,31 +649,6 @@ def measure(
 # -- reporting -------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    model = "unknown"
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    root = Path(kvbridge.__file__).resolve().parents[1]  # the checkout measured
-    git = ["git", "-C", str(root)]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "kvbridge", "native"], capture_output=True, text=True
-    )
-    return {
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "msgspec": msgspec.__version__,
-        "kvbridge": Path(kvbridge.__file__).parent.as_posix(),
-        "commit": commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else ""),
-        "load_average": os.getloadavg()[0],
-    }
-
-
 def _rate(blocks: int, seconds: Sequence[float]) -> dict[str, float]:
     return {"best": blocks / min(seconds), "median": blocks / statistics.median(seconds)}
 
@@ -867,18 +841,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + "; ".join(verdicts))
     print(f"total {time.perf_counter() - started:.1f} s")
     if args.json is not None:
-        host["load_average_end"] = os.getloadavg()[0]
-        document = {
-            "benchmark": "normalize",
-            "machine": host,
-            "blocks": args.blocks,
-            "repeat": args.repeat,
-            "seed": args.seed,
-            "targets": TARGETS,
-            "variants": results,
-        }
-        args.json.write_text(json.dumps(document, indent=1) + "\n")
-        print(f"results written to {args.json}")
+        write_results(
+            args.json,
+            "normalize",
+            host,
+            blocks=args.blocks,
+            repeat=args.repeat,
+            seed=args.seed,
+            targets=TARGETS,
+            variants=results,
+        )
     return 0
 
 
