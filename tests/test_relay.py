@@ -33,6 +33,7 @@ from support.selection_harness import Overlap, SelectionHarness
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import BLOCK_SIZE, encoded, placeholder, removed, stored
@@ -577,10 +578,10 @@ def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.RCVTIMEO, 5000)
             dealer.connect(relay.endpoints(source)[1] or "")
-            dealer.send_multipart([b"", seq8(start)])
+            dealer.send_multipart(request_frames(start))
             batches = []
-            while (frames := dealer.recv_multipart())[-1]:
-                batches.append(msgspec.msgpack.decode(frames[-1]))
+            while (answer := parse_answer(dealer.recv_multipart(), b""))[1] != END_SEQ:
+                batches.append(msgspec.msgpack.decode(answer[2]))
             dealer.close(linger=0)
             return batches
 
