@@ -10,11 +10,10 @@ of its session; sessions run three at a time.
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -24,7 +23,14 @@ serve = pytest.importorskip("ray.serve")
 
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 from support import ray_apps  # noqa: E402
-from support.ray_apps import SimulatedReplica, ray_session, replica_ids, wait_until  # noqa: E402
+from support.ray_apps import (  # noqa: E402
+    Session,
+    SimulatedReplica,
+    ray_session,
+    replica_ids,
+    sessions,
+    wait_until,
+)
 
 from kvbridge.ray_integration import (  # noqa: E402
     DynamoKVRouter,
@@ -86,23 +92,6 @@ def routing_state(app: str = APP) -> RoutingState:
 
 def wait_registered(handle: Any, replicas: set[str], app: str = APP) -> RoutingState:
     return ray_apps.wait_registered(handle, replicas, app, DEPLOYMENT)
-
-
-@dataclass
-class Session:
-    tokens: list[int]
-    rng: random.Random
-    replicas: list[str] = field(default_factory=list)
-    answers: list[dict[str, Any]] = field(default_factory=list)
-
-
-def sessions(seed: int) -> list[Session]:
-    rng = random.Random(seed)
-    out = []
-    for index in range(SESSIONS):
-        length = rng.randrange(80, 161)
-        out.append(Session([rng.randrange(1, 30_000) for _ in range(length)], random.Random(index)))
-    return out
 
 
 def run_turn(handle: Any, session: Session) -> None:

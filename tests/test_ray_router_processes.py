@@ -17,11 +17,10 @@ the bound.
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -32,9 +31,11 @@ serve = pytest.importorskip("ray.serve")
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 from support.ray_apps import (  # noqa: E402
     RouterProcess,
+    Session,
     SimulatedReplica,
     ray_session,
     replica_ids,
+    sessions,
     wait_until,
 )
 
@@ -51,21 +52,6 @@ DEPLOYMENT = "Engine"
 AFFINITY_BOUND = 0.95
 LOAD_BOUND = 1.5
 """New sessions per replica stay under this times the mean (15 of 30 on 3 replicas)."""
-
-
-@dataclass
-class Session:
-    tokens: list[int]
-    rng: random.Random
-    replicas: list[str] = field(default_factory=list)
-
-
-def make_sessions(seed: int) -> list[Session]:
-    rng = random.Random(seed)
-    return [
-        Session([rng.randrange(1, 30_000) for _ in range(rng.randrange(80, 161))], random.Random(i))
-        for i in range(SESSIONS)
-    ]
 
 
 @dataclass
@@ -103,7 +89,7 @@ def run(app: str, processes: int, seed: int) -> Run:
     routers = [RouterProcess.remote(app, DEPLOYMENT) for _ in range(processes)]
     ray.get([router.wait_registered.remote(replicas) for router in routers])
     before = ray.get([router.stats.remote() for router in routers])  # registration's requests
-    work = make_sessions(seed)
+    work = sessions(seed, SESSIONS)
 
     def turn(index: int, session: Session, number: int) -> None:
         if number:

@@ -8,10 +8,12 @@ Replicas import this module by name, so :func:`ray_session` puts ``tests/`` on t
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,13 @@ from kvbridge.testing import SimulatedEngine
 
 __all__ = [
     "RouterProcess",
+    "Session",
     "SimulatedReplica",
     "VllmReplica",
     "ray_session",
     "replica_ids",
     "routing_state",
+    "sessions",
     "wait_registered",
     "wait_until",
 ]
@@ -99,6 +103,27 @@ def wait_registered(handle: Any, replicas: set[str], app: str, deployment: str) 
 
     wait_until(registered, what=f"replicas {sorted(replicas)} registered")
     return routing_state(app, deployment)
+
+
+@dataclass
+class Session:
+    """A multi-turn session of the router tests: its tokens so far, the replica each turn ran
+    on and each turn's answer."""
+
+    tokens: list[int]
+    rng: random.Random
+    replicas: list[str] = field(default_factory=list)
+    answers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sessions(seed: int, count: int = 30) -> list[Session]:
+    """``count`` sessions, each opening with its own 80-160 token prompt (seeded)."""
+    rng = random.Random(seed)
+    out = []
+    for index in range(count):
+        length = rng.randrange(80, 161)
+        out.append(Session([rng.randrange(1, 30_000) for _ in range(length)], random.Random(index)))
+    return out
 
 
 class SimulatedReplica(KVEventsReplica):
