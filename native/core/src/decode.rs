@@ -62,6 +62,9 @@ pub struct Stored<'a> {
     pub hashes: Range<usize>,
     pub parent: Option<u64>,
     pub tokens: Range<usize>,
+    /// The msgpack of the token ids (the array's items, not its header) when every one is in
+    /// its shortest form: the bytes the writers would write for them, copied instead.
+    pub token_msgpack: Option<&'a [u8]>,
     pub block_size: u64,
     pub lora_id: Option<i128>,
     pub medium: Option<&'a str>,
@@ -709,7 +712,7 @@ impl<'a, 'b> EventBuilder<'a, 'b> {
                     other => Some(hash(&at, other, "int | bytes | null")?),
                 }
             }
-            2 => stored.tokens = token_list(&at, item, reader, arena)?,
+            2 => (stored.tokens, stored.token_msgpack) = token_list(&at, item, reader, arena)?,
             3 => stored.block_size = u64::from(u32_field(&at, item, false)?.unwrap_or(0)),
             4 => stored.lora_id = opt_int(&at, item)?,
             5 => stored.medium = opt_str(&at, item)?,
@@ -792,20 +795,26 @@ fn token(at: &At<'_>, item: Lax<'_>) -> Result<u32, SchemaError> {
     }
 }
 
-fn token_list(
+/// A token list's range in the arena, and its items' msgpack if every one was in its shortest
+/// form (see [`Stored::token_msgpack`]).
+fn token_list<'a>(
     at: &At<'_>,
     item: Lax<'_>,
-    reader: &mut Reader<'_>,
+    reader: &mut Reader<'a>,
     arena: &mut Arena,
-) -> Result<Range<usize>, SchemaError> {
+) -> Result<(Range<usize>, Option<&'a [u8]>), SchemaError> {
     let Lax::Item(Item::Array(len)) = item else {
         return Err(at.error(expected("array", &item)));
     };
     let start = arena.tokens.len();
+    let items_start = reader.position();
     arena.tokens.reserve(len.min(reader.left()));
     let mut element = 0;
+    let mut shortest = true;
     while element < len {
-        element += reader.small_uints(len - element, &mut arena.tokens);
+        let read = reader.small_uints(len - element, &mut arena.tokens);
+        element += read.count;
+        shortest &= read.shortest;
         if element == len {
             break;
         }
@@ -813,9 +822,12 @@ fn token_list(
             .lax()
             .map_err(|error| malformed_event(at.event, error))?;
         arena.tokens.push(token(&at.at(element), item)?);
+        // An item the fast read left may be in any integer form.
+        shortest = false;
         element += 1;
     }
-    Ok(start..arena.tokens.len())
+    let msgpack = shortest.then(|| reader.since(items_start));
+    Ok((start..arena.tokens.len(), msgpack))
 }
 
 /// A field declared as a non-negative 32-bit int (`nullable`: or nil).
@@ -1132,9 +1144,12 @@ mod fast {
                     2 => {
                         let len = reader.array_header()?;
                         let start = arena.tokens.len();
+                        let items_start = reader.position();
                         arena.tokens.reserve(len.min(reader.left()));
-                        (reader.small_uints(len, &mut arena.tokens) == len).then_some(())?;
+                        let read = reader.small_uints(len, &mut arena.tokens);
+                        (read.count == len).then_some(())?;
                         stored.tokens = start..arena.tokens.len();
+                        stored.token_msgpack = read.shortest.then(|| reader.since(items_start));
                     }
                     3 => stored.block_size = u64::from(reader.small_uint()?),
                     4 => stored.lora_id = opt_int(reader)?,

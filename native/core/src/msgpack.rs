@@ -113,6 +113,22 @@ const SMALL_UINT: [(u8, u8, u32); 256] = {
     table
 };
 
+/// The width of an integer below 2**32 in its shortest msgpack form, less one.
+#[inline(always)]
+fn shortest_extra_width(value: u32) -> u32 {
+    u32::from(value > 0x7f) + u32::from(value > 0xff) + 2 * u32::from(value > 0xffff)
+}
+
+/// What [`Reader::small_uints`] read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SmallUints {
+    /// How many integers.
+    pub count: usize,
+    /// Whether each was in its shortest form, so that their bytes are what
+    /// [`write::small_uints`] writes for them.
+    pub shortest: bool,
+}
+
 /// A cursor over msgpack bytes.
 #[derive(Debug, Clone)]
 pub struct Reader<'a> {
@@ -274,10 +290,10 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads up to `count` non-negative integers below 2**32 into `out`, as [`Reader::small_uint`]
-    /// reads each, and stops at the first other item (left unread); returns how many it read.
+    /// reads each, and stops at the first other item (left unread).
     /// The fast path of token lists: no branch on the width, which varies from token to token.
     #[inline]
-    pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> usize {
+    pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> SmallUints {
         let data = self.data;
         let mut pos = self.pos;
         // Every token takes a byte at least: room for all that can be there, written by index
@@ -302,9 +318,25 @@ impl<'a> Reader<'a> {
             pos += usize::from(width);
             done += 1;
         }
+        // No form is shorter than the shortest: the widths add up to the shortest's exactly
+        // when each is its value's shortest (a separate pass, which vectorizes).
+        // (Summed in u32, which vectorizes, by chunks that cannot overflow it.)
+        let extra: usize = values[..done]
+            .chunks(1 << 28)
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .map(|&value| shortest_extra_width(value))
+                    .sum::<u32>() as usize
+            })
+            .sum();
+        let shortest = extra + done == pos - self.pos;
         out.truncate(start + done);
         self.pos = pos;
-        done
+        SmallUints {
+            count: done,
+            shortest,
+        }
     }
 
     /// Reads up to `count` hashes into `out` as the hash lists' fast path takes them (an
@@ -754,6 +786,46 @@ mod tests {
         // Truncated or malformed before the limit: no answer.
         assert_eq!(too_deep(&[0x91, 0x91, 0xdc]), None);
         assert_eq!(too_deep(&[0x92, 0xc1, 0x91]), None);
+    }
+
+    #[test]
+    fn small_uints_tell_whether_every_form_was_the_shortest() {
+        let values = [0, 127, 128, 255, 256, 65_535, 65_536, u32::MAX];
+        let mut shortest = Vec::new();
+        write::small_uints(&mut shortest, &values);
+        shortest.extend_from_slice(&[0xc0; 8]);
+        let mut out = Vec::new();
+        let read = Reader::new(&shortest).small_uints(values.len(), &mut out);
+        assert_eq!(
+            read,
+            SmallUints {
+                count: 8,
+                shortest: true
+            }
+        );
+        assert_eq!(out, values);
+        // 5 as a uint8, 200 as a uint16, 70,000 as a uint32 (shortest), 1 as a uint32.
+        let longer = [
+            0xcc, 5, 0xcd, 0, 200, 0xce, 0, 1, 0x11, 0x70, 0xce, 0, 0, 0, 1,
+        ];
+        let longer: Vec<u8> = longer.iter().copied().chain([0xc0; 8]).collect();
+        for (count, shortest) in [(1, false), (3, false), (4, false)] {
+            let mut out = Vec::new();
+            let read = Reader::new(&longer).small_uints(count, &mut out);
+            assert_eq!(read, SmallUints { count, shortest });
+        }
+        let mut out = Vec::new();
+        let read = Reader::new(&longer[5..]).small_uints(1, &mut out);
+        assert_eq!(
+            (read, out),
+            (
+                SmallUints {
+                    count: 1,
+                    shortest: true
+                },
+                vec![70_000]
+            )
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::decode::{decode, Arena, Batch, Event, Removed, SchemaError, Stored};
 use crate::hashing::{block_seed, identifier_hash, sequence_hash, tokens_hash, DYNAMO_SALT_PREFIX};
 use crate::media::{tier_for_medium, Tier};
-use crate::msgpack::{Item, Reader};
+use crate::msgpack::{write, Item, Reader};
 use crate::output::{Body, OutEvent, Output};
 use crate::state::{map, Map, Rank, Slot, MAX_CONTEXTS};
 
@@ -167,6 +167,14 @@ pub struct Normalizer {
     pub counters: Counters,
     logged: u16,
     pub first_drops: Vec<FirstDrop>,
+}
+
+/// A store's own token ids, and their msgpack when the input wrote each in its shortest form
+/// (what the output would write for them).
+#[derive(Clone, Copy)]
+struct EventTokens<'a> {
+    ids: &'a [u32],
+    msgpack: Option<&'a [u8]>,
 }
 
 /// The KV-cache group kinds a prefix index can use; Dynamo indexes exactly these.
@@ -490,7 +498,7 @@ impl Normalizer {
         out.events.reserve(batch.events.len());
         out.blocks.reserve(arena.hashes.len());
         out.hashes.reserve(arena.hashes.len());
-        out.tokens.reserve(arena.tokens.len());
+        out.token_msgpack.reserve(arena.tokens.len() * 3);
         let mut gone: Vec<u64> = Vec::new();
         let mut gone_tier: Option<Tier> = None;
         for event in &batch.events {
@@ -694,7 +702,10 @@ impl Normalizer {
         let tokens = &arena.tokens[stored.tokens.clone()];
         match self.canonical_blocks(rank, tier, stored, hashes, tokens) {
             Ok((slots, anchored)) => {
-                let tokens = (!anchored).then_some(tokens);
+                let tokens = (!anchored).then_some(EventTokens {
+                    ids: tokens,
+                    msgpack: stored.token_msgpack,
+                });
                 self.make_resident(rank, dp_rank, event_id, tier, &slots, tokens, out);
                 self.slots = slots;
             }
@@ -824,7 +835,7 @@ impl Normalizer {
         event_id: u64,
         tier: Tier,
         slots: &[(Slot, u64)],
-        mut tokens: Option<&[u32]>,
+        mut tokens: Option<EventTokens<'_>>,
         out: &mut Output,
     ) {
         let mut start = 0;
@@ -867,7 +878,7 @@ impl Normalizer {
         event_id: u64,
         tier: Tier,
         run: &[(Slot, u64)],
-        tokens: Option<&[u32]>,
+        tokens: Option<EventTokens<'_>>,
         start: usize,
         out: &mut Output,
     ) {
@@ -885,7 +896,7 @@ impl Normalizer {
         event_id: u64,
         tier: Tier,
         run: &[(Slot, u64)],
-        tokens: Option<&[u32]>,
+        tokens: Option<EventTokens<'_>>,
         start: usize,
         out: &mut Output,
     ) {
@@ -895,17 +906,25 @@ impl Normalizer {
             run.iter()
                 .map(|&(slot, canonical)| (canonical, rank.tokens_hash(slot))),
         );
-        let tokens_start = out.tokens.len();
+        let tokens_start = out.token_msgpack.len();
+        let size = self.block_size;
+        let token_count = run.len() * size;
         match tokens {
-            Some(tokens) => {
-                let size = self.block_size;
-                out.tokens
-                    .extend_from_slice(&tokens[start * size..(start + run.len()) * size]);
+            Some(EventTokens { ids, msgpack }) => {
+                match msgpack.filter(|_| token_count == ids.len()) {
+                    Some(msgpack) => out.token_msgpack.extend_from_slice(msgpack),
+                    None => write::small_uints(
+                        &mut out.token_msgpack,
+                        &ids[start * size..(start + run.len()) * size],
+                    ),
+                }
             }
             None => {
+                let mut ids = Vec::with_capacity(token_count);
                 for &(slot, _) in run {
-                    rank.read_tokens(slot, &mut out.tokens);
+                    rank.read_tokens(slot, &mut ids);
                 }
+                write::small_uints(&mut out.token_msgpack, &ids);
             }
         }
         let context = self.context_of(rank.context(first)).clone();
@@ -916,7 +935,8 @@ impl Normalizer {
             body: Body::Stored {
                 parent: rank.parent(first),
                 blocks: blocks_start..out.blocks.len(),
-                tokens: tokens_start..out.tokens.len(),
+                tokens: tokens_start..out.token_msgpack.len(),
+                token_count,
                 lora_name: context.lora_name,
                 cache_salt: context.cache_salt,
             },

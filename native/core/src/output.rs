@@ -18,7 +18,9 @@ pub enum Body {
         parent: Option<u64>,
         /// (canonical block hash, tokens hash) per block.
         blocks: Range<usize>,
+        /// The msgpack of the token ids, a range of [`Output::token_msgpack`].
         tokens: Range<usize>,
+        token_count: usize,
         lora_name: Option<Arc<str>>,
         cache_salt: Option<Arc<str>>,
     },
@@ -44,7 +46,9 @@ pub struct Output {
     pub batch: Option<(f64, u32)>,
     pub events: Vec<OutEvent>,
     pub blocks: Vec<(u64, u64)>,
-    pub tokens: Vec<u32>,
+    /// The token ids of every store, each in its shortest msgpack form, as both writers put
+    /// them: copied from the input when it wrote them so, and written once otherwise.
+    pub token_msgpack: Vec<u8>,
     pub hashes: Vec<u64>,
 }
 
@@ -87,7 +91,7 @@ impl Output {
         }
         let mut out = Vec::with_capacity(
             64 + kept.len() * 160
-                + self.tokens.len() * 5
+                + self.token_msgpack.len()
                 + (self.blocks.len() + self.hashes.len()) * 9,
         );
         write::array(&mut out, 3);
@@ -106,6 +110,7 @@ impl Output {
                 parent,
                 blocks,
                 tokens,
+                token_count,
                 lora_name,
                 cache_salt,
             } => {
@@ -125,8 +130,8 @@ impl Output {
                     None => write::nil(out),
                 }
                 out.extend_from_slice(canonical::TOKEN_IDS);
-                write::array(out, tokens.len());
-                write::small_uints(out, &self.tokens[tokens.clone()]);
+                write::array(out, *token_count);
+                out.extend_from_slice(&self.token_msgpack[tokens.clone()]);
                 out.extend_from_slice(canonical::BLOCK_SIZE);
                 write::uint(out, block_size);
                 out.extend_from_slice(canonical::MEDIUM[event.tier as usize]);
@@ -160,7 +165,7 @@ impl Output {
 
     /// The events as msgpack of `list[kvbridge.TieredEvent]`, for msgspec to build in one pass.
     pub fn tiered_events(&self, worker_id: u64) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64 + self.events.len() * 96 + self.tokens.len() * 3);
+        let mut out = Vec::with_capacity(64 + self.events.len() * 96 + self.token_msgpack.len());
         write::array(&mut out, self.events.len());
         for event in &self.events {
             let stored = matches!(event.body, Body::Stored { .. });
@@ -181,6 +186,7 @@ impl Output {
                     parent,
                     blocks,
                     tokens,
+                    token_count,
                     lora_name,
                     cache_salt,
                 } => {
@@ -203,10 +209,8 @@ impl Output {
                     }
                     write_event_tail(&mut out, event.dp_rank);
                     write::str(&mut out, "token_ids");
-                    write::array(&mut out, tokens.len());
-                    for token in &self.tokens[tokens.clone()] {
-                        write::uint(&mut out, u64::from(*token));
-                    }
+                    write::array(&mut out, *token_count);
+                    out.extend_from_slice(&self.token_msgpack[tokens.clone()]);
                     write::str(&mut out, "lora_name");
                     write_opt_str(&mut out, lora_name.as_deref());
                     write::str(&mut out, "cache_salt");
