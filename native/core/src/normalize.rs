@@ -158,9 +158,11 @@ pub struct Normalizer {
     context_ids: Map<Context, u32>,
     next_event_id: u64,
     arena: Arena,
-    /// Buffers reused from event to event: the slots a removal evicts, a store's blocks, the
-    /// run of them going out, the bytes a block is hashed from.
+    /// Buffers reused from event to event: the slots a removal evicts, the canonical hashes
+    /// a run of removals takes off a tier, a store's blocks, the run of them going out, the
+    /// bytes a block is hashed from.
     evicted: Vec<Slot>,
+    gone: Vec<u64>,
     slots: Vec<(Slot, u64)>,
     run: Vec<(Slot, u64)>,
     hash_scratch: Vec<u8>,
@@ -204,6 +206,7 @@ impl Normalizer {
             next_event_id: 0,
             arena: Arena::default(),
             evicted: Vec::new(),
+            gone: Vec::new(),
             slots: Vec::new(),
             run: Vec::new(),
             hash_scratch: Vec::new(),
@@ -498,8 +501,10 @@ impl Normalizer {
         out.events.reserve(batch.events.len());
         out.blocks.reserve(arena.hashes.len());
         out.hashes.reserve(arena.hashes.len());
-        out.token_msgpack.reserve(arena.tokens.len() * 3);
-        let mut gone: Vec<u64> = Vec::new();
+        // A token id takes 5 bytes at the most.
+        out.token_msgpack.reserve(arena.tokens.len() * 5);
+        let mut gone = std::mem::take(&mut self.gone);
+        gone.clear();
         let mut gone_tier: Option<Tier> = None;
         for event in &batch.events {
             match event {
@@ -535,6 +540,7 @@ impl Normalizer {
         if !gone.is_empty() {
             self.flush_removal(dp_rank, event_id, gone_tier, &mut gone, out);
         }
+        self.gone = gone;
         self.enforce_block_cap(&mut rank, dp_rank, event_id, out);
         self.ranks.insert(dp_rank, rank);
     }
@@ -1036,7 +1042,6 @@ impl Normalizer {
 /// Each block's extra keys, as msgpack, from the event's `extra_keys` list (`None` for nil).
 fn block_keys(raw: &[u8]) -> Vec<Option<&[u8]>> {
     items(raw)
-        .into_iter()
         .map(|keys| (keys != [0xc0]).then_some(keys))
         .collect()
 }
@@ -1073,26 +1078,28 @@ fn mm_hashes(keys: &[u8], out: &mut Vec<u64>) {
 }
 
 /// The msgpack of each item of a msgpack array (checked by the decoder); none for other values.
-fn items(raw: &[u8]) -> Vec<&[u8]> {
+fn items(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
     let mut reader = Reader::new(raw);
-    let Ok(Item::Array(len)) = reader.item() else {
-        return Vec::new();
+    let len = match reader.item() {
+        Ok(Item::Array(len)) => len,
+        _ => 0,
     };
-    let mut out = Vec::with_capacity(len);
-    for _ in 0..len {
-        match reader.raw(2) {
-            Ok(item) => out.push(item),
-            Err(_) => break,
-        }
+    (0..len).map_while(move |_| reader.raw(2).ok())
+}
+
+/// The msgpack of the first item of a msgpack array (checked by the decoder).
+fn first_item(raw: &[u8]) -> Option<&[u8]> {
+    let mut reader = Reader::new(raw);
+    match reader.item() {
+        Ok(Item::Array(len)) if len > 0 => reader.raw(2).ok(),
+        _ => None,
     }
-    out
 }
 
 /// The cache salt in the first block's extra keys: the first string that is neither a digest
 /// nor the LoRA name. Dynamo's own `dynamo-cache-salt:` prefix is removed.
 fn cache_salt<'a>(stored: &Stored<'a>) -> Option<&'a str> {
-    let keys = block_keys(stored.extra_keys?);
-    let first = (*keys.first()?)?;
+    let first = first_item(stored.extra_keys?).filter(|keys| *keys != [0xc0])?;
     let mut lora_seen = stored.lora_name.is_none();
     for key in items(first) {
         let Ok(Item::Str(key)) = Reader::new(key).item() else {
