@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from support.fixture_json import from_json
 
 from kvbridge import decode_batch
 from kvbridge.schemas import (
@@ -52,15 +53,6 @@ def _key(release: str) -> tuple[int, ...]:
 
 
 release_ids = pytest.mark.parametrize("release", sorted(RELEASES, key=_key))
-
-
-def _python(value: Any) -> Any:
-    """A manifest value as kvbridge decodes it: ``{"bytes": hex}`` becomes bytes."""
-    if isinstance(value, dict) and set(value) == {"bytes"}:
-        return bytes.fromhex(value["bytes"])
-    if isinstance(value, list):
-        return [_python(item) for item in value]
-    return value
 
 
 def _payload(entry: dict[str, Any]) -> bytes:
@@ -209,7 +201,7 @@ def test_decodes_to_the_sample_values(release: str) -> None:
         for field in msgspec.structs.fields(EVENT_TYPES[want["type"]]):
             actual = getattr(event, field.name)
             if field.name in want["values"]:
-                expected = _python(want["values"][field.name])
+                expected = from_json(want["values"][field.name])
             else:  # a field this release does not have
                 expected = field.default
             assert actual == expected, (want["sample"], field.name)
