@@ -64,6 +64,24 @@ def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
+def two_workers(first: str, second: str) -> list[str]:
+    """The options of two sources, ``first`` as worker 1 and ``second`` as worker 2."""
+    return ["--source", first, "--worker-id", "1", "--source", second, "--worker-id", "2"]
+
+
+def replay_sample_into(
+    listener: subprocess.Popen[str], publish: str, *options: str
+) -> tuple[subprocess.CompletedProcess[str], tuple[int, str, str]]:
+    """``replay`` the bundled sample on ``publish`` at full speed (``options`` before ``--pace
+    max``) to ``listener``, started before; then wait for the listener to end. The replay's
+    result, and the listener's exit code, stdout and stderr."""
+    try:
+        replay = kvbridge("replay", str(SAMPLE), "--publish", publish, *options, "--pace", "max")
+    finally:
+        finished = finish(listener)
+    return replay, finished
+
+
 def sample_residency() -> dict[int, tuple[int, int, int, int]]:
     """Distinct blocks resident per tier (device, host_pinned, disk, external) at the end of the
     bundled sample, for each worker, from the pipeline every command shares."""
@@ -517,13 +535,9 @@ def test_both_sides_connecting_is_reported_by_both() -> None:
         "watch", "--source", f"tcp://*:{port}", "--block-size", "4", "--duration", "6.5",
         "--interval", "3",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}",
-            "--wait-subscribers", "1", "--pace", "max",
-        )  # fmt: skip
-    finally:
-        code, out, err = finish(watch)
+    replay, (code, out, err) = replay_sample_into(
+        watch, f"tcp://127.0.0.1:{port}", "--wait-subscribers", "1"
+    )
     assert replay.returncode == 0, replay.stderr
     replay_warnings = [
         line.split("] ", 1)[1].rstrip() for line in replay.stderr.splitlines() if "[warning" in line
@@ -556,16 +570,10 @@ def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path)
     out = tmp_path / "again.kvcap"
     record = start(
         "record",
-        "--source", f"connect:tcp://127.0.0.1:{port}", "--worker-id", "1",
-        "--source", f"connect:tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        *two_workers(f"connect:tcp://127.0.0.1:{port}", f"connect:tcp://127.0.0.1:{port + 1}"),
         "--out", str(out), "--count", "7", "--duration", "30",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"bind:tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, _, err = finish(record)
+    replay, (code, _, err) = replay_sample_into(record, f"bind:tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert f"subscribe with: --source connect:tcp://127.0.0.1:{port} --worker-id 1" in replay.stderr
     assert code == 0, err
@@ -578,16 +586,10 @@ def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
     out = tmp_path / "again.kvcap"
     record = start(
         "record",
-        "--source", f"bind:tcp://*:{port}", "--worker-id", "1",
-        "--source", f"bind:tcp://*:{port + 1}", "--worker-id", "2",
+        *two_workers(f"bind:tcp://*:{port}", f"bind:tcp://*:{port + 1}"),
         "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, _, err = finish(record)
+    replay, (code, _, err) = replay_sample_into(record, f"tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     assert len(list(CaptureReader(out))) == 7
@@ -604,16 +606,10 @@ def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path
     out = tmp_path / "again.kvcap"
     record = start(
         "record",
-        "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
-        "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        *two_workers(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"),
         "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, _, err = finish(record)
+    replay, (code, _, err) = replay_sample_into(record, f"tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     assert "stream reset" not in err and "restarted" not in err, err
@@ -640,8 +636,7 @@ def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:
     port = free_port_range(5)
     with RelayProcess(
         [
-            "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
-            "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+            *two_workers(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"),
             "--publish", f"tcp://127.0.0.1:{port + 2}", "--block-size", "4",
         ],
         metrics_port=port + 4,
@@ -674,17 +669,11 @@ def test_watch_prints_columns_and_no_lag_for_a_replay() -> None:
     port = free_port_range(2)
     watch = start(
         "watch",
-        "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
-        "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        *two_workers(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"),
         "--block-size", "4", "--duration", "5", "--interval", "4.5",
     )  # fmt: skip
-    try:
-        time.sleep(1.0)
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, out, err = finish(watch)
+    time.sleep(1.0)
+    replay, (code, out, err) = replay_sample_into(watch, f"tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     lines = out.rstrip("\n").splitlines()
