@@ -289,10 +289,7 @@ _PLACEHOLDER = (
 )
 _VECTOR_REMOVED = {"block_hashes": [U64_A], "medium": "GPU", "group_idx": 0}
 _VECTOR_STORED = {
-    "block_hashes": [U64_A, U64_B],
-    "parent_block_hash": None,
-    "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-    "block_size": 4,
+    **REQUIRED_VALUES["stored_int"],
     "lora_id": None,
     "medium": "GPU",
     "lora_name": None,
