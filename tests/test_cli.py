@@ -82,6 +82,20 @@ def replay_sample_into(
     return replay, finished
 
 
+def record_the_replay(
+    out: Path, first: str, second: str, *options: str, publish: str
+) -> tuple[subprocess.CompletedProcess[str], int, str]:
+    """``record`` (``options`` after its sources ``first`` and ``second``, workers 1 and 2) into
+    ``out`` of up to 7 messages in 30 s, fed by :func:`replay_sample_into` on ``publish``. The
+    replay's result, and the recorder's exit code and stderr."""
+    record = start(
+        "record", *two_workers(first, second), *options,
+        "--out", str(out), "--count", "7", "--duration", "30",
+    )  # fmt: skip
+    replay, (code, _, err) = replay_sample_into(record, publish)
+    return replay, code, err
+
+
 def sample_residency() -> dict[int, tuple[int, int, int, int]]:
     """Distinct blocks resident per tier (device, host_pinned, disk, external) at the end of the
     bundled sample, for each worker, from the pipeline every command shares."""
@@ -568,12 +582,10 @@ def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path)
     ``record --source connect:tcp://127.0.0.1:P`` connects to it."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
-    record = start(
-        "record",
-        *two_workers(f"connect:tcp://127.0.0.1:{port}", f"connect:tcp://127.0.0.1:{port + 1}"),
-        "--out", str(out), "--count", "7", "--duration", "30",
+    replay, code, err = record_the_replay(
+        out, f"connect:tcp://127.0.0.1:{port}", f"connect:tcp://127.0.0.1:{port + 1}",
+        publish=f"bind:tcp://127.0.0.1:{port}",
     )  # fmt: skip
-    replay, (code, _, err) = replay_sample_into(record, f"bind:tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert f"subscribe with: --source connect:tcp://127.0.0.1:{port} --worker-id 1" in replay.stderr
     assert code == 0, err
@@ -584,12 +596,10 @@ def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
     """``bind:tcp://*:P`` binds where vLLM's rule would connect; the replay connects to it."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
-    record = start(
-        "record",
-        *two_workers(f"bind:tcp://*:{port}", f"bind:tcp://*:{port + 1}"),
-        "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
+    replay, code, err = record_the_replay(
+        out, f"bind:tcp://*:{port}", f"bind:tcp://*:{port + 1}", "--block-size", "4",
+        publish=f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
-    replay, (code, _, err) = replay_sample_into(record, f"tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     assert len(list(CaptureReader(out))) == 7
@@ -604,12 +614,10 @@ def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path
     (the prompts it prints overlaps for are the sample's own metadata, not recorded)."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
-    record = start(
-        "record",
-        *two_workers(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"),
-        "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
+    replay, code, err = record_the_replay(
+        out, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", "--block-size", "4",
+        publish=f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
-    replay, (code, _, err) = replay_sample_into(record, f"tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     assert "stream reset" not in err and "restarted" not in err, err
