@@ -74,7 +74,6 @@ import os
 import platform
 import random
 import resource
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -84,6 +83,8 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import free_port, pin, subscriber
 
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
@@ -102,26 +103,13 @@ WORKERS = 16
 PROMPT_BLOCKS = 512
 
 
-def _pin(core: int) -> None:
-    """Pin the calling thread (and the threads it starts from now on) to one core."""
-    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
-        os.sched_setaffinity(0, {core})
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 # -- the other processes -----------------------------------------------------------------------
 
 
 def publisher(endpoint: str, blocks: int, seed: int, control: Connection) -> None:
     """Publishes the workload, cycled, at the rate each ``("go", rate)`` asks for, from seq 0,
     until ``"stop"``; answers ``"stop"`` with the number of batches sent."""
-    _pin(1)
+    pin(1)
     from normalize import VARIANTS, count_blocks, encode_steps, simulate
     from relay import gpu_only
 
@@ -161,12 +149,9 @@ def publisher(endpoint: str, blocks: int, seed: int, control: Connection) -> Non
 
 def sink(endpoint: str, ready: Connection) -> None:
     """Drains the relay's output (the relay rebinds the same endpoint in every window)."""
-    _pin(1)
+    pin(1)
     context = zmq.Context()
-    sub = context.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    sub = subscriber(context, endpoint)
     ready.send(True)
     received = 0
     while not ready.poll(0):
@@ -265,7 +250,7 @@ def _relay(source: str, out: str) -> Relay:
 
 def relay_process(source: str, out: str, control: Connection) -> None:
     """The control condition: the same relay, started the same way, in a process of its own."""
-    _pin(1)
+    pin(1)
     relay: Relay | None = None
     while (command := control.recv()) != "quit":
         if command == "start":
@@ -285,10 +270,10 @@ class ThreadRelay:
     """``Relay.start()`` in this process: its thread and ZMQ's I/O thread on core 1."""
 
     def __init__(self, source: str, out: str) -> None:
-        _pin(1)  # the threads started from here on inherit it
+        pin(1)  # the threads started from here on inherit it
         self.relay = _relay(source, out)
         self.relay.start()
-        _pin(0)
+        pin(0)
 
     def last_seq(self) -> int | None:
         return self.relay.subscriber.last_seq(next(iter(self.relay.outputs)))
@@ -348,8 +333,8 @@ class Bench:
         self.args = args
         self.period = float(args.period_ms) / 1000
         self.ctx = mp.get_context("spawn")
-        self.source = f"tcp://127.0.0.1:{_free_port()}"
-        self.out = f"tcp://127.0.0.1:{_free_port()}"
+        self.source = f"tcp://127.0.0.1:{free_port()}"
+        self.out = f"tcp://127.0.0.1:{free_port()}"
         self.control, control = self.ctx.Pipe()
         self.publisher = self.ctx.Process(
             target=publisher, args=(self.source, args.blocks, args.seed, control)
@@ -370,7 +355,7 @@ class Bench:
         self.prefix = [0]
         for count in self.counts:
             self.prefix.append(self.prefix[-1] + count)
-        _pin(0)
+        pin(0)
 
     def blocks_through(self, seq: int | None) -> int:
         """Blocks in the batches of sequence 0 to ``seq``."""

@@ -74,11 +74,8 @@ from kvbridge.schemas.vllm import (
     BlockRemoved,
     BlockStored,
     Event,
-    Layout,
-    VllmBatch,
-    encode_batch,
-    layout_for,
 )
+from kvbridge.testing.events import TS0, encoded, placeholder, removed, stored
 
 TARGETS = {"(d) canonical": 3.0, "(e) events": 1.0}
 """Acceptance targets: the measure's throughput over (a)'s, on every variant."""
@@ -370,7 +367,8 @@ def _hash(digest: bytes, as_bytes: bool) -> int | bytes:
 
 
 def encode_steps(steps: list[list[tuple[Any, ...]]], variant: Variant) -> list[bytes]:
-    layout: Layout = layout_for(variant.release)
+    """Each step's events as one payload in the variant's layout, built with
+    :mod:`kvbridge.testing.events` (a step ``0.01`` s after the one before)."""
     raw = variant.bytes_hashes
     payloads = []
     for number, step in enumerate(steps):
@@ -378,28 +376,25 @@ def encode_steps(steps: list[list[tuple[Any, ...]]], variant: Variant) -> list[b
         for kind, hashes, *rest in step:
             wire = [_hash(h, raw) for h in hashes]
             if kind == "removed":
-                events.append(BlockRemoved(wire, rest[0], 0))
+                events.append(removed(wire, medium=rest[0]))
             elif kind == "placeholder":
-                events.append(BlockStored(wire, None, [], 0, None, "CPU", None, group_idx=0))
+                events.append(placeholder(wire))
             else:
                 parent, tokens, family, extra, medium = rest
                 lora_id, lora_name = family.lora or (None, None)
                 events.append(
-                    BlockStored(
+                    stored(
                         wire,
-                        None if parent is None else _hash(parent, raw),
                         tokens,
-                        variant.block_size,
-                        lora_id,
-                        medium,
-                        lora_name,
+                        parent=None if parent is None else _hash(parent, raw),
+                        block_size=variant.block_size,
+                        medium=medium,
+                        lora_id=lora_id,
+                        lora_name=lora_name,
                         extra_keys=None if not any(extra) else extra,
-                        group_idx=0,
-                        kv_cache_spec_kind="full_attention",
                     )
                 )
-        batch = VllmBatch(1_700_000_000.0 + number * 0.01, events, 0)
-        payloads.append(encode_batch(batch, layout))
+        payloads.append(encoded(events, ts=TS0 + number * 0.01, release=variant.release))
     return payloads
 
 
@@ -657,6 +652,12 @@ def _ratio(top: dict[str, float], bottom: dict[str, float]) -> dict[str, float]:
     return {key: top[key] / bottom[key] for key in ("best", "median")}
 
 
+def _print_header(header: str) -> None:
+    """A table's column header, ruled underneath."""
+    print(header)
+    print("-" * len(header))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=100_000, help="blocks per variant")
@@ -751,8 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [name for name, _ in MEASURES]
     header = f"{'variant':<24} {'blocks':>7} " + " ".join(f"{n:>18}" for n in names)
     header += "".join(f" {n[:3] + '/(a)':>12}" for n in names[1:])
-    print(header)
-    print("-" * len(header))
+    _print_header(header)
     worst = dict.fromkeys(TARGETS, float("inf"))
     for result in results:
         rates = result["rates"]
@@ -778,8 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'variant':<24} {'(a), worker':>18} {'(c), pure Python':>18} {'(c)/(a)':>12} "
             f"{'(d)/(c)':>12} {'(e)/(c)':>12}"
         )
-        print(header)
-        print("-" * len(header))
+        _print_header(header)
         for result in results:
             rates = result["rates"]
             old_a, old_c = rates["before (a)"], rates["before (c)"]
@@ -808,8 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'variant':<24} {'(a)':>5} {'core':>5} {'dec':>5} {'state':>5} {'canon':>5} "
             f"{'tierd':>5} {'TEdec':>5} {'wrap':>5} {'(d)':>5} {'(e)':>5} {'e/a max':>7}"
         )
-        print(header)
-        print("-" * len(header))
+        _print_header(header)
         for result in results:
             ns = {n: 1e9 * min(s) / result["blocks"] for n, s in result["seconds"].items()}
             parts = {

@@ -60,6 +60,29 @@ def _spread(values: Sequence[float]) -> tuple[float, float, float]:
     return middle, middle - min(values), max(values) - middle
 
 
+def _bars(
+    axes: Any,
+    xs: Sequence[float],
+    spreads: Sequence[tuple[float, float, float]],
+    width: float,
+    label: str,
+    color: str,
+) -> list[float]:
+    """One series of bars at ``xs``: each spread's middle, with its spread as error bars; the
+    heights drawn."""
+    heights = [s[0] for s in spreads]
+    errors = [[s[1] for s in spreads], [s[2] for s in spreads]]
+    axes.bar(xs, heights, width, yerr=errors, capsize=2, label=label, color=color)
+    return heights
+
+
+def _label(axes: Any, text: str, x: float, height: float, above: int = 3) -> None:
+    """``text`` centred ``above`` points over the bar at ``x``."""
+    axes.annotate(
+        text, (x, height), textcoords="offset points", xytext=(0, above), ha="center", fontsize=7
+    )
+
+
 def throughput(axes: Any, runs: Sequence[dict[str, Any]]) -> None:
     names = [variant["name"] for variant in runs[0]["variants"]]
     series = [s for s in THROUGHPUT if all(s[0] in v["rates"] for v in runs[0]["variants"])]
@@ -75,9 +98,7 @@ def throughput(axes: Any, runs: Sequence[dict[str, Any]]) -> None:
             ]
             spreads.append(_spread(best))
         xs = [i + (offset - (len(series) - 1) / 2) * width for i in range(len(names))]
-        heights = [s[0] for s in spreads]
-        errors = [[s[1] for s in spreads], [s[2] for s in spreads]]
-        axes.bar(xs, heights, width, yerr=errors, capsize=2, label=label, color=color)
+        heights = _bars(axes, xs, spreads, width, label, color)
         if (
             key in ("(d) canonical", "(e) events")
             and "before (c)" in runs[0]["variants"][0]["rates"]
@@ -89,14 +110,7 @@ def throughput(axes: Any, runs: Sequence[dict[str, Any]]) -> None:
                     for variant in run["variants"]
                     if variant["name"] == name
                 ]
-                axes.annotate(
-                    f"{statistics.median(speedups):.1f}x",
-                    (x, height),
-                    textcoords="offset points",
-                    xytext=(0, 9),
-                    ha="center",
-                    fontsize=7,
-                )
+                _label(axes, f"{statistics.median(speedups):.1f}x", x, height, above=9)
     axes.set_xticks(range(len(names)), [n.replace("   ", " ") for n in names], fontsize=8)
     axes.tick_params(axis="x", labelrotation=15)
     axes.set_ylabel("million blocks per second (best repetition)")
@@ -129,31 +143,15 @@ def memory(axes: Any, runs: Sequence[dict[str, Any]]) -> None:
             ]
             spreads.append(_spread(values) if values else (0.0, 0.0, 0.0))
         xs = [i + (offset - len(present) / 2) * width for i in range(len(sizes))]
-        heights = [s[0] for s in spreads]
-        errors = [[s[1] for s in spreads], [s[2] for s in spreads]]
-        axes.bar(xs, heights, width, yerr=errors, capsize=2, label=label, color=color)
+        heights = _bars(axes, xs, spreads, width, label, color)
         for x, height in zip(xs, heights, strict=True):
             if height:
-                axes.annotate(
-                    f"{height:.0f}",
-                    (x, height),
-                    textcoords="offset points",
-                    xytext=(0, 3),
-                    ha="center",
-                    fontsize=7,
-                )
+                _label(axes, f"{height:.0f}", x, height)
     targets = [4 * size + 48 for size in sizes]
     xs = [i + (len(present) / 2) * width for i in range(len(sizes))]
     axes.bar(xs, targets, width, label="target: 4 x block size + 48", color="white", hatch="//")
     for x, value in zip(xs, targets, strict=True):
-        axes.annotate(
-            f"{value}",
-            (x, value),
-            textcoords="offset points",
-            xytext=(0, 3),
-            ha="center",
-            fontsize=7,
-        )
+        _label(axes, f"{value}", x, value)
     axes.set_xticks(range(len(sizes)), [f"block size {size}" for size in sizes])
     axes.set_ylabel("bytes per tracked block")
     axes.set_ylim(0, axes.get_ylim()[1] * 1.35)  # room for the legend

@@ -60,7 +60,6 @@ import platform
 import pstats
 import random
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -76,6 +75,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from normalize import VARIANTS, Family, count_blocks, encode_steps, simulate
+from procs import free_port, pin, subscriber
 
 from kvbridge import Normalizer
 from kvbridge.adapters.relay import Relay
@@ -95,11 +95,6 @@ TARGETS = {"forward": 0.5, "dynamo": 2.0}
 MIDDLES = ("forward", "relay", "dynamo")
 DYNAMO_TIMEOUT_S = 60.0
 _PLAIN = Family([], None, None)
-
-
-def _pin(core: int) -> None:
-    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
-        os.sched_setaffinity(0, {core})
 
 
 def _cpu() -> float:
@@ -153,12 +148,9 @@ def forward(source: str, out: str, ready: Connection, stop: EventType, profile: 
     """The baseline middle: frames in, the same frames out, with the socket calls the relay
     makes (``Frame.more`` rather than ``recv_multipart``, int flags rather than
     ``send_multipart``, which cost about 6 us a message in all)."""
-    _pin(1)
+    pin(1)
     context = zmq.Context()
-    sub = context.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(source)
+    sub = subscriber(context, source)
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.bind(out)
@@ -185,7 +177,7 @@ def forward(source: str, out: str, ready: Connection, stop: EventType, profile: 
 
 def relay(source: str, out: str, ready: Connection, stop: EventType, profile: bool) -> None:
     """The kvbridge middle: a Relay from one source to one canonical stream."""
-    _pin(1)
+    pin(1)
     profiler = cProfile.Profile() if profile else None
     with Relay(
         [Source(source, worker_id=WORKER_ID, bind=False)], block_size=BLOCK_SIZE, publish=out
@@ -213,7 +205,7 @@ def dynamo(
 ) -> None:
     """Dynamo's own ingest: a SelectionService on the publisher's endpoint, polled for the
     sentinel; then the blocks its index holds."""
-    _pin(1)  # before the service starts its threads, so that they inherit it
+    pin(1)  # before the service starts its threads, so that they inherit it
     from kvbridge.adapters.selection_client import SelectionClient
 
     with SelectionClient() as client:
@@ -254,12 +246,9 @@ def dynamo(
 
 
 def sink(endpoint: str, expected: int, ready: Connection, done: Connection) -> None:
-    _pin(0)
+    pin(0)
     context = zmq.Context()
-    sub = context.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    sub = subscriber(context, endpoint)
     ready.send(True)
     received = 0
     while received < expected:
@@ -269,13 +258,6 @@ def sink(endpoint: str, expected: int, ready: Connection, done: Connection) -> N
         received += 1
     done.send((received, time.perf_counter()))
     context.destroy(linger=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Run:
@@ -309,7 +291,7 @@ def run(
 ) -> Run:
     """Seconds from the first message sent to the end of ``middle``'s work on the last one."""
     ctx = mp.get_context("spawn")
-    source, out = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    source, out = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     context = zmq.Context()
     pub = context.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
@@ -334,7 +316,7 @@ def run(
         receiver.start()
         sink_ready.recv()
     time.sleep(1.0)  # let the subscriptions reach their publishers
-    _pin(0)
+    pin(0)
     if middle == "dynamo":
         ready.send("go")
     _perf(perf_fifo, "enable")

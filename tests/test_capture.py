@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from support.relay_process import start_kvbridge
 
 from kvbridge.adapters.capture import MAGIC, CaptureError, CaptureReader, CaptureWriter, FrameRecord
 from kvbridge.adapters.ports import free_port_range
@@ -41,12 +42,7 @@ def seq8(seq: int) -> bytes:
 
 
 def kvbridge(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_kvbridge(*args)
 
 
 def finish(process: subprocess.Popen[str]) -> str:

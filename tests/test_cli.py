@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 import pytest
-from support.relay_process import RelayProcess
+from support.relay_process import RelayProcess, start_kvbridge
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
 from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.schemas.tiers import Tier
-from kvbridge.schemas.vllm import LAYOUTS
+from kvbridge.schemas.vllm import LAYOUTS, STORED_FIELDS
 
 SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
 TIMEOUT = 60.0
@@ -51,13 +51,7 @@ def kvbridge(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProces
 
 
 def start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
+    return start_kvbridge(*args, env=ENV)
 
 
 def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -68,6 +62,38 @@ def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
             process.kill()
             process.communicate()
     return process.returncode, out, err
+
+
+def two_workers(first: str, second: str) -> list[str]:
+    """The options of two sources, ``first`` as worker 1 and ``second`` as worker 2."""
+    return ["--source", first, "--worker-id", "1", "--source", second, "--worker-id", "2"]
+
+
+def replay_sample_into(
+    listener: subprocess.Popen[str], publish: str, *options: str
+) -> tuple[subprocess.CompletedProcess[str], tuple[int, str, str]]:
+    """``replay`` the bundled sample on ``publish`` at full speed (``options`` before ``--pace
+    max``) to ``listener``, started before; then wait for the listener to end. The replay's
+    result, and the listener's exit code, stdout and stderr."""
+    try:
+        replay = kvbridge("replay", str(SAMPLE), "--publish", publish, *options, "--pace", "max")
+    finally:
+        finished = finish(listener)
+    return replay, finished
+
+
+def record_the_replay(
+    out: Path, first: str, second: str, *options: str, publish: str
+) -> tuple[subprocess.CompletedProcess[str], int, str]:
+    """``record`` (``options`` after its sources ``first`` and ``second``, workers 1 and 2) into
+    ``out`` of up to 7 messages in 30 s, fed by :func:`replay_sample_into` on ``publish``. The
+    replay's result, and the recorder's exit code and stderr."""
+    record = start(
+        "record", *two_workers(first, second), *options,
+        "--out", str(out), "--count", "7", "--duration", "30",
+    )  # fmt: skip
+    replay, (code, _, err) = replay_sample_into(record, publish)
+    return replay, code, err
 
 
 def sample_residency() -> dict[int, tuple[int, int, int, int]]:
@@ -107,6 +133,23 @@ def test_demo_indexes_the_bundled_sample() -> None:
 
 RELAY = ["relay", "--source", "tcp://*:5557", "--block-size", "16"]
 """A relay missing only its --publish."""
+
+
+def bad_publish(endpoint: str, message: str) -> tuple[list[str], str]:
+    """:data:`RELAY` with ``--publish endpoint``, and the one-line error that refuses it."""
+    return [*RELAY, "--publish", endpoint], f"kvbridge relay: error: argument --publish: {message}"
+
+
+def two_sources(publish: str, *more: str) -> list[str]:
+    """A relay of the sources tcp://*:5557 and tcp://*:5558 publishing on ``publish``."""
+    sources = ["--source", "tcp://*:5557", "--source", "tcp://*:5558"]
+    return ["relay", *sources, "--publish", publish, *more, "--block-size", "16"]
+
+
+def watch_with_replay(replay: str) -> list[str]:
+    """A watch of the source tcp://*:5557 with ``--source-replay replay``."""
+    return ["watch", "--source", "tcp://*:5557", "--source-replay", replay, "--block-size", "4"]
+
 
 BAD_ARGUMENTS = [
     # argparse's own checks, one line each
@@ -160,57 +203,41 @@ BAD_ARGUMENTS = [
     ),
     (["validate"], "kvbridge validate: error: give at least one capture"),
     # 1. endpoints are checked: port range, scheme, host
-    (
-        [*RELAY, "--publish", "tcp://127.0.0.1:99999"],
-        "kvbridge relay: error: argument --publish: port 99999 is out of range 1-65535 in 'tcp://127.0.0.1:99999'",
+    bad_publish(
+        "tcp://127.0.0.1:99999", "port 99999 is out of range 1-65535 in 'tcp://127.0.0.1:99999'"
     ),
     (
         ["replay", str(SAMPLE), "--publish", "tcp://127.0.0.1:70000"],
         "kvbridge replay: error: argument --publish: port 70000 is out of range 1-65535 in 'tcp://127.0.0.1:70000'",
     ),
-    (
-        [*RELAY, "--publish", "tcp://127.0.0.1:0"],
-        "kvbridge relay: error: argument --publish: port 0 is out of range 1-65535 in 'tcp://127.0.0.1:0'",
+    bad_publish("tcp://127.0.0.1:0", "port 0 is out of range 1-65535 in 'tcp://127.0.0.1:0'"),
+    bad_publish(
+        "127.0.0.1:45002",
+        "not an endpoint: '127.0.0.1:45002' (expected tcp://HOST:PORT or ipc://PATH, optionally after bind: or connect:)",
     ),
-    (
-        [*RELAY, "--publish", "127.0.0.1:45002"],
-        "kvbridge relay: error: argument --publish: not an endpoint: '127.0.0.1:45002' (expected tcp://HOST:PORT or ipc://PATH, optionally after bind: or connect:)",
+    bad_publish("tcp://127.0.0.1", "no port in 'tcp://127.0.0.1' (expected tcp://HOST:PORT)"),
+    bad_publish("tcp://127.0.0.1:x", "port 'x' is not a number in 'tcp://127.0.0.1:x'"),
+    bad_publish("tcp://:6557", "no host in 'tcp://:6557' (use * for every interface)"),
+    bad_publish(
+        "tcp://300.1.1.1:6557",
+        "'300.1.1.1' is not an IPv4 address or a host name in 'tcp://300.1.1.1:6557'",
     ),
-    (
-        [*RELAY, "--publish", "tcp://127.0.0.1"],
-        "kvbridge relay: error: argument --publish: no port in 'tcp://127.0.0.1' (expected tcp://HOST:PORT)",
+    bad_publish(
+        "tcp://[::1]:6557",
+        "IPv6 address '[::1]' in 'tcp://[::1]:6557' is not supported (kvbridge's sockets are IPv4): use an IPv4 address or a host name",
     ),
-    (
-        [*RELAY, "--publish", "tcp://127.0.0.1:x"],
-        "kvbridge relay: error: argument --publish: port 'x' is not a number in 'tcp://127.0.0.1:x'",
+    bad_publish(
+        "udp://127.0.0.1:6557",
+        "unsupported transport 'udp' in 'udp://127.0.0.1:6557' (tcp, ipc or inproc)",
     ),
-    (
-        [*RELAY, "--publish", "tcp://:6557"],
-        "kvbridge relay: error: argument --publish: no host in 'tcp://:6557' (use * for every interface)",
+    bad_publish("ipc://", "no path in 'ipc://' (expected ipc://PATH)"),
+    bad_publish(
+        "ipc:///" + "x" * 120,
+        f"ipc path longer than 107 bytes in 'ipc:///{'x' * 120}': use a shorter path",
     ),
-    (
-        [*RELAY, "--publish", "tcp://300.1.1.1:6557"],
-        "kvbridge relay: error: argument --publish: '300.1.1.1' is not an IPv4 address or a host name in 'tcp://300.1.1.1:6557'",
-    ),
-    (
-        [*RELAY, "--publish", "tcp://[::1]:6557"],
-        "kvbridge relay: error: argument --publish: IPv6 address '[::1]' in 'tcp://[::1]:6557' is not supported (kvbridge's sockets are IPv4): use an IPv4 address or a host name",
-    ),
-    (
-        [*RELAY, "--publish", "udp://127.0.0.1:6557"],
-        "kvbridge relay: error: argument --publish: unsupported transport 'udp' in 'udp://127.0.0.1:6557' (tcp, ipc or inproc)",
-    ),
-    (
-        [*RELAY, "--publish", "ipc://"],
-        "kvbridge relay: error: argument --publish: no path in 'ipc://' (expected ipc://PATH)",
-    ),
-    (
-        [*RELAY, "--publish", "ipc:///" + "x" * 120],
-        f"kvbridge relay: error: argument --publish: ipc path longer than 107 bytes in 'ipc:///{'x' * 120}': use a shorter path",
-    ),
-    (
-        [*RELAY, "--publish", "inproc://relay"],
-        "kvbridge relay: error: argument --publish: inproc:// reaches only sockets of the same process: use tcp:// or ipc:// ('inproc://relay')",
+    bad_publish(
+        "inproc://relay",
+        "inproc:// reaches only sockets of the same process: use tcp:// or ipc:// ('inproc://relay')",
     ),
     # 1. ... no duplicates, counting the ports the relay and replay offset per stream
     (
@@ -227,52 +254,20 @@ BAD_ARGUMENTS = [
         ],
         "kvbridge relay: error: argument --source: tcp://127.0.0.1:5557 is given twice",
     ),
-    (
-        [*RELAY, "--publish", "tcp://127.0.0.1:5557"],
-        "kvbridge relay: error: argument --publish: tcp://127.0.0.1:5557 is the same socket as --source tcp://127.0.0.1:5557",
+    bad_publish(
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5557 is the same socket as --source tcp://127.0.0.1:5557",
     ),
     (
-        [
-            "relay",
-            "--source",
-            "tcp://*:5557",
-            "--source",
-            "tcp://*:5558",
-            "--publish",
-            "tcp://127.0.0.1:6557",
-            "--publish-replay",
-            "tcp://127.0.0.1:6558",
-            "--block-size",
-            "16",
-        ],
+        two_sources("tcp://127.0.0.1:6557", "--publish-replay", "tcp://127.0.0.1:6558"),
         "kvbridge relay: error: argument --publish-replay: tcp://127.0.0.1:6558 is the same socket as --publish tcp://127.0.0.1:6558 (its port + 1, for the 2nd --source)",
     ),
     (
-        [
-            "relay",
-            "--source",
-            "tcp://*:5557",
-            "--source",
-            "tcp://*:5558",
-            "--publish",
-            "tcp://127.0.0.1:65535",
-            "--block-size",
-            "16",
-        ],
+        two_sources("tcp://127.0.0.1:65535"),
         "kvbridge relay: error: argument --publish: port 65535 + 1 is past 65535 in 'tcp://127.0.0.1:65535' (the 2nd --source goes on its port + 1)",
     ),
     (
-        [
-            "relay",
-            "--source",
-            "tcp://*:5557",
-            "--source",
-            "tcp://*:5558",
-            "--publish",
-            "ipc:///tmp/kvbridge-out",
-            "--block-size",
-            "16",
-        ],
+        two_sources("ipc:///tmp/kvbridge-out"),
         "kvbridge relay: error: argument --publish: 'ipc:///tmp/kvbridge-out' cannot be offset for several streams: use tcp://HOST:PORT (the 2nd --source goes on its port + 1)",
     ),
     (
@@ -292,33 +287,17 @@ BAD_ARGUMENTS = [
         "kvbridge record: error: argument --source: tcp://localhost:5557 is given twice",
     ),
     (
-        [
-            "watch",
-            "--source",
-            "tcp://*:5557",
-            "--source-replay",
-            "tcp://*:5557",
-            "--block-size",
-            "4",
-        ],
+        watch_with_replay("tcp://*:5557"),
         "kvbridge watch: error: argument --source-replay: tcp://127.0.0.1:5557 is the same socket as --source tcp://127.0.0.1:5557",
     ),
     # 2. bind: and connect: where they cannot apply
     (
-        [
-            "watch",
-            "--source",
-            "tcp://*:5557",
-            "--source-replay",
-            "bind:tcp://*:5558",
-            "--block-size",
-            "4",
-        ],
+        watch_with_replay("bind:tcp://*:5558"),
         "kvbridge watch: error: argument --source-replay: kvbridge always connects to a replay endpoint (the engine binds it): drop bind: ('bind:tcp://*:5558')",
     ),
-    (
-        [*RELAY, "--publish", "connect:tcp://127.0.0.1:6557"],
-        "kvbridge relay: error: argument --publish: the relay always binds its outputs (Dynamo connects to them): drop connect: ('connect:tcp://127.0.0.1:6557')",
+    bad_publish(
+        "connect:tcp://127.0.0.1:6557",
+        "the relay always binds its outputs (Dynamo connects to them): drop connect: ('connect:tcp://127.0.0.1:6557')",
     ),
     # 2. vLLM's rule binds a non-wildcard source: a remote address cannot be bound
     (
@@ -407,16 +386,9 @@ def test_schema_exports_every_layout_and_dynamo() -> None:
     tagged = schema["vllm"]["0.33.0"]["$defs"]["BlockStored"]
     assert tagged["type"] == "object"
     assert "lookahead_token_ids" in tagged["properties"]
-    assert tagged["required"] == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ]
+    # vLLM 0.33 declares every field up to lora_name without a default.
+    required = STORED_FIELDS[: STORED_FIELDS.index("lora_name") + 1]
+    assert tagged["required"] == ["type", *required]
     assert schema["dynamo"]["KvCacheEvent"]["$defs"]["KvCacheEvent"]["required"] == [
         "event_id",
         "data",
@@ -577,13 +549,9 @@ def test_both_sides_connecting_is_reported_by_both() -> None:
         "watch", "--source", f"tcp://*:{port}", "--block-size", "4", "--duration", "6.5",
         "--interval", "3",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}",
-            "--wait-subscribers", "1", "--pace", "max",
-        )  # fmt: skip
-    finally:
-        code, out, err = finish(watch)
+    replay, (code, out, err) = replay_sample_into(
+        watch, f"tcp://127.0.0.1:{port}", "--wait-subscribers", "1"
+    )
     assert replay.returncode == 0, replay.stderr
     replay_warnings = [
         line.split("] ", 1)[1].rstrip() for line in replay.stderr.splitlines() if "[warning" in line
@@ -614,18 +582,10 @@ def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path)
     ``record --source connect:tcp://127.0.0.1:P`` connects to it."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
-    record = start(
-        "record",
-        "--source", f"connect:tcp://127.0.0.1:{port}", "--worker-id", "1",
-        "--source", f"connect:tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
-        "--out", str(out), "--count", "7", "--duration", "30",
+    replay, code, err = record_the_replay(
+        out, f"connect:tcp://127.0.0.1:{port}", f"connect:tcp://127.0.0.1:{port + 1}",
+        publish=f"bind:tcp://127.0.0.1:{port}",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"bind:tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, _, err = finish(record)
     assert replay.returncode == 0, replay.stderr
     assert f"subscribe with: --source connect:tcp://127.0.0.1:{port} --worker-id 1" in replay.stderr
     assert code == 0, err
@@ -636,18 +596,10 @@ def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
     """``bind:tcp://*:P`` binds where vLLM's rule would connect; the replay connects to it."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
-    record = start(
-        "record",
-        "--source", f"bind:tcp://*:{port}", "--worker-id", "1",
-        "--source", f"bind:tcp://*:{port + 1}", "--worker-id", "2",
-        "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
+    replay, code, err = record_the_replay(
+        out, f"bind:tcp://*:{port}", f"bind:tcp://*:{port + 1}", "--block-size", "4",
+        publish=f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, _, err = finish(record)
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     assert len(list(CaptureReader(out))) == 7
@@ -662,18 +614,10 @@ def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path
     (the prompts it prints overlaps for are the sample's own metadata, not recorded)."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
-    record = start(
-        "record",
-        "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
-        "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
-        "--block-size", "4", "--out", str(out), "--count", "7", "--duration", "30",
+    replay, code, err = record_the_replay(
+        out, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", "--block-size", "4",
+        publish=f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
-    try:
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, _, err = finish(record)
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     assert "stream reset" not in err and "restarted" not in err, err
@@ -700,8 +644,7 @@ def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:
     port = free_port_range(5)
     with RelayProcess(
         [
-            "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
-            "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+            *two_workers(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"),
             "--publish", f"tcp://127.0.0.1:{port + 2}", "--block-size", "4",
         ],
         metrics_port=port + 4,
@@ -734,17 +677,11 @@ def test_watch_prints_columns_and_no_lag_for_a_replay() -> None:
     port = free_port_range(2)
     watch = start(
         "watch",
-        "--source", f"tcp://127.0.0.1:{port}", "--worker-id", "1",
-        "--source", f"tcp://127.0.0.1:{port + 1}", "--worker-id", "2",
+        *two_workers(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"),
         "--block-size", "4", "--duration", "5", "--interval", "4.5",
     )  # fmt: skip
-    try:
-        time.sleep(1.0)
-        replay = kvbridge(
-            "replay", str(SAMPLE), "--publish", f"tcp://127.0.0.1:{port}", "--pace", "max"
-        )
-    finally:
-        code, out, err = finish(watch)
+    time.sleep(1.0)
+    replay, (code, out, err) = replay_sample_into(watch, f"tcp://127.0.0.1:{port}")
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
     lines = out.rstrip("\n").splitlines()

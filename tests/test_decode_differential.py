@@ -58,6 +58,12 @@ STORE = (
 )
 
 
+def stored_with(field: str, value: str, want: tuple[Any, ...], case: str) -> Any:
+    """A case of one map BlockStored, :data:`STORE` plus ``field`` (its msgpack key) holding
+    ``value`` (msgpack hex), in a batch of one event; ``want``: the outcome both decoders give."""
+    return pytest.param(HEAD + f"91 87 {STORE} {field} {value} c0", want, id=case)
+
+
 def _payload(text: str) -> bytes:
     return bytes.fromhex(text.replace(" ", ""))
 
@@ -156,47 +162,36 @@ def test_limits_are_shared() -> None:
             id="rank-past-u32",
         ),
         pytest.param(HEAD + "90 a178", ("error", None, None), id="rank-str"),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {LOOKAHEAD} 92 90 92 01 ff c0",
+        stored_with(
+            LOOKAHEAD,
+            "92 90 92 01 ff",
             ("error", 0, "lookahead_token_ids[1][1]"),
-            id="lookahead-token-negative",
+            "lookahead-token-negative",
         ),
         # Extra keys are `Any`: timestamps must be datetimes, map keys hashable.
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 d6ff00000001 c0", ("ok", 0), id="ek-timestamp"
+        stored_with(EXTRA_KEYS, "91 91 d6ff00000001", ("ok", 0), "ek-timestamp"),
+        stored_with(
+            EXTRA_KEYS, "91 92 01 d4ff00", ("error", 0, "extra_keys[0][1]"), "ek-bad-timestamp"
         ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 92 01 d4ff00 c0",
-            ("error", 0, "extra_keys[0][1]"),
-            id="ek-bad-timestamp",
-        ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 81 a178 d4ff00 c0",
+        stored_with(
+            EXTRA_KEYS,
+            "91 91 81 a178 d4ff00",
             ("error", 0, "extra_keys[0][0][...]"),
-            id="ek-bad-timestamp-in-map",
+            "ek-bad-timestamp-in-map",
         ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 81 d4ff00 01 c0",
-            ("error", 0, "event"),
-            id="ek-bad-timestamp-as-key",
+        stored_with(
+            EXTRA_KEYS, "91 91 81 d4ff00 01", ("error", 0, "event"), "ek-bad-timestamp-as-key"
         ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 81 9101 01 c0", ("ok", 0), id="ek-array-key"
+        stored_with(EXTRA_KEYS, "91 91 81 9101 01", ("ok", 0), "ek-array-key"),
+        stored_with(EXTRA_KEYS, "91 91 81 91 8101 01 01", ("error", 0, None), "ek-unhashable-key"),
+        stored_with(
+            EXTRA_KEYS, "91 91 c70cff 00000000 0000003afff4417f", ("ok", 0), "ek-timestamp-9999"
         ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 81 91 8101 01 01 c0",
-            ("error", 0, None),
-            id="ek-unhashable-key",
-        ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 c70cff 00000000 0000003afff4417f c0",
-            ("ok", 0),
-            id="ek-timestamp-9999",
-        ),
-        pytest.param(
-            HEAD + f"91 87 {STORE} {EXTRA_KEYS} 91 91 c70cff 3b9ac9ff 0000003afff4417f c0",
+        stored_with(
+            EXTRA_KEYS,
+            "91 91 c70cff 3b9ac9ff 0000003afff4417f",
             ("error", 0, "extra_keys[0][0]"),
-            id="ek-timestamp-rounds-past-9999",
+            "ek-timestamp-rounds-past-9999",
         ),
     ],
 )

@@ -213,6 +213,18 @@ def test_nesting_outside_the_events_is_a_batch_error() -> None:
     assert (error.event_index, error.field) == (None, None)
 
 
+def _header(rng: random.Random, count: int, fix: int, code16: int, code32: int) -> bytes:
+    """The header of a msgpack array or map of ``count`` items, in one of its three forms at
+    random: ``fix | count``, or ``code16`` / ``code32`` and a 16- / 32-bit count."""
+    return rng.choice(
+        (
+            bytes([fix | count]),
+            bytes([code16]) + count.to_bytes(2, "big"),
+            bytes([code32]) + count.to_bytes(4, "big"),
+        )
+    )
+
+
 def _random_nested(rng: random.Random, depth: int) -> bytes:
     """A msgpack value exactly ``depth`` levels deep (0: a scalar), written by hand with every
     header kind (fix, 16 and 32-bit containers, str, bin and ext of each width) around the
@@ -249,26 +261,10 @@ def _random_nested(rng: random.Random, depth: int) -> bytes:
     if rng.random() < 0.5:  # an array, the deep value anywhere among its items
         items = [*siblings, inner]
         rng.shuffle(items)
-        count = len(items)
-        header = rng.choice(
-            (
-                bytes([0x90 | count]),
-                b"\xdc" + count.to_bytes(2, "big"),
-                b"\xdd" + count.to_bytes(4, "big"),
-            )
-        )
-        return header + b"".join(items)
+        return _header(rng, len(items), 0x90, 0xDC, 0xDD) + b"".join(items)
     pairs = [(b"\xa1k", scalar) for scalar in siblings] + [(b"\xa1d", inner)]
     rng.shuffle(pairs)
-    count = len(pairs)
-    header = rng.choice(
-        (
-            bytes([0x80 | count]),
-            b"\xde" + count.to_bytes(2, "big"),
-            b"\xdf" + count.to_bytes(4, "big"),
-        )
-    )
-    return header + b"".join(key + value for key, value in pairs)
+    return _header(rng, len(pairs), 0x80, 0xDE, 0xDF) + b"".join(k + v for k, v in pairs)
 
 
 @pytest.mark.parametrize("seed", range(40))

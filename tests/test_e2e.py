@@ -159,22 +159,13 @@ def test_live_vllm_through_relay_to_selection_service(tmp_path: Path) -> None:
     python = vllm_python()  # skips (or fails under KVBRIDGE_E2E=1) without the venv
     started = time.monotonic()
     base = free_port_range(6)
-    http, events, replay, publish, publish_replay, metrics = range(base, base + 6)
+    events, replay, publish, publish_replay, metrics = range(base + 1, base + 6)  # base: HTTP
     model = write_tiny_model(tmp_path / "model")
     rng = random.Random(20260611)
 
     with ExitStack() as stack:
         stack.enter_context(sigterm_as_interrupt())  # a CI timeout still stops the engine
-        server = stack.enter_context(
-            VllmServer(
-                python,
-                model,
-                http_port=http,
-                events_port=events,
-                replay_port=replay,
-                log_path=tmp_path / "vllm.log",
-            )
-        )
+        server = stack.enter_context(VllmServer.on_ports(python, model, base, tmp_path))
         harness = stack.enter_context(SelectionHarness())  # meanwhile: Dynamo's runtime
         ready_s = server.wait_healthy(HEALTH_TIMEOUT_S)
 

@@ -310,39 +310,36 @@ def test_engines_hashing_identical_tokens_differently(harness: SelectionHarness)
         assert harness.overlap(a.tokens) == both
         assert kvbridge_overlap(index, a.tokens) == both
 
+        def then(
+            worker: WorkerStream, events: list[Any], native: Overlap, correct: Overlap
+        ) -> None:
+            """``worker`` sends ``events``; the overlaps of the shared prompt are then these."""
+            worker.send(events)
+            worker.sync()
+            observe(harness, index, a.tokens, native=native, correct=correct)
+
         # B extends with blocks 3-5, parent = B's own hash of block 2.
-        wb.send([b.stored(3, 6)])
-        wb.sync()
         # Correct: B holds 6. Dynamo: "Failed to find parent block; skipping store operation",
         # B stays at 3.
-        observe(
-            harness,
-            index,
-            a.tokens,
+        then(
+            wb,
+            [b.stored(3, 6)],
             native={(1, 0): (3, 3, 3), (2, 0): (3, 3, 3)},
             correct={(1, 0): (3, 3, 3), (2, 0): (6, 6, 6)},
         )
-
         # B evicts 5, 4, 3, 2 (tail first, by its own hashes).
-        wb.send(b.evicted(5, 4, 3, 2))
-        wb.sync()
         # Correct: B holds 0-1 -> 2. Dynamo: B's removals hit nothing, B stale at 3.
-        observe(
-            harness,
-            index,
-            a.tokens,
+        then(
+            wb,
+            b.evicted(5, 4, 3, 2),
             native={(1, 0): (3, 3, 3), (2, 0): (3, 3, 3)},
             correct={(1, 0): (3, 3, 3), (2, 0): (2, 2, 2)},
         )
-
         # A evicts its block 2.
-        wa.send(a.evicted(2))
-        wa.sync()
         # Correct: A 2, B 2. Dynamo: A 2, B still stale at 3.
-        observe(
-            harness,
-            index,
-            a.tokens,
+        then(
+            wa,
+            a.evicted(2),
             native={(1, 0): (2, 2, 2), (2, 0): (3, 3, 3)},
             correct={(1, 0): (2, 2, 2), (2, 0): (2, 2, 2)},
         )

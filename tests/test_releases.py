@@ -1,6 +1,6 @@
 """Schema conformance for every vLLM release that changed ``vllm/distributed/kv_events.py``.
 
-The fixtures in ``tests/fixtures/releases`` were encoded by ``tools/release_fixtures.py`` with
+The fixtures in ``tests/fixtures/releases`` were encoded by ``tools/release_fixtures`` with
 each release's *own* event classes, extracted from its sdist and executed in a throwaway process
 (see the README there). These tests decode them with kvbridge and compare every field with the
 sample values recorded in ``manifest.json``, and compare each release's declarations with
@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from support.fixture_json import from_json
 
 from kvbridge import decode_batch
 from kvbridge.schemas import (
@@ -35,7 +36,7 @@ from kvbridge.schemas.vllm import layout_types
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "releases"
-TOOL = ROOT / "tools" / "release_fixtures.py"
+TOOL = ROOT / "tools" / "release_fixtures"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "manifest.json").read_text())
 RELEASES: dict[str, dict[str, Any]] = {entry["release"]: entry for entry in MANIFEST["releases"]}
 SAMPLES: dict[str, dict[str, Any]] = {sample["name"]: sample for sample in MANIFEST["samples"]}
@@ -52,15 +53,6 @@ def _key(release: str) -> tuple[int, ...]:
 
 
 release_ids = pytest.mark.parametrize("release", sorted(RELEASES, key=_key))
-
-
-def _python(value: Any) -> Any:
-    """A manifest value as kvbridge decodes it: ``{"bytes": hex}`` becomes bytes."""
-    if isinstance(value, dict) and set(value) == {"bytes"}:
-        return bytes.fromhex(value["bytes"])
-    if isinstance(value, list):
-        return [_python(item) for item in value]
-    return value
 
 
 def _payload(entry: dict[str, Any]) -> bytes:
@@ -129,16 +121,20 @@ def test_provenance(release: str) -> None:
 
 
 def test_tool_does_not_import_kvbridge() -> None:
-    tree = ast.parse(TOOL.read_text())
+    """Every module of the tool imports only the standard library, msgspec and its siblings."""
+    trees = [ast.parse(module.read_text()) for module in sorted(TOOL.glob("*.py"))]
+    assert len(trees) > 1
     imported = {
         alias.name.split(".")[0]
+        for tree in trees
         for node in ast.walk(tree)
         if isinstance(node, ast.Import)
         for alias in node.names
     } | {
         (node.module or "").split(".")[0]
+        for tree in trees
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom)
+        if isinstance(node, ast.ImportFrom) and not node.level
     }
     assert "kvbridge" not in imported
     assert imported - set(sys.stdlib_module_names) == {"msgspec"}
@@ -205,7 +201,7 @@ def test_decodes_to_the_sample_values(release: str) -> None:
         for field in msgspec.structs.fields(EVENT_TYPES[want["type"]]):
             actual = getattr(event, field.name)
             if field.name in want["values"]:
-                expected = _python(want["values"][field.name])
+                expected = from_json(want["values"][field.name])
             else:  # a field this release does not have
                 expected = field.default
             assert actual == expected, (want["sample"], field.name)

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from support.fixture_json import from_json
 
 import kvbridge
 from kvbridge.schemas import (
@@ -54,22 +55,9 @@ def _load(layout: Layout) -> tuple[bytes, dict[str, Any]]:
     return payload, expected
 
 
-def _hash(value: Any) -> int | bytes | None:
-    return bytes.fromhex(value["bytes"]) if isinstance(value, dict) else value
-
-
-def _value(name: str, value: Any) -> Any:
-    """A JSON fixture value as the decoder returns it."""
-    if name == "block_hashes":
-        return [_hash(h) for h in value]
-    if name == "parent_block_hash":
-        return _hash(value)
-    return value
-
-
 def _event(expected: dict[str, Any]) -> Any:
     """The public event type built from one fixture JSON event."""
-    fields = {name: _value(name, value) for name, value in expected.items() if name != "type"}
+    fields = {name: from_json(value) for name, value in expected.items() if name != "type"}
     return EVENT_TYPES[expected["type"]](**fields)
 
 
@@ -152,7 +140,7 @@ def test_fixture_decodes_to_expected_values(layout: Layout) -> None:
         for name in ALL_FIELDS[want["type"]]:
             actual = getattr(event, name)
             if name in want:
-                assert actual == _value(name, want[name]), (index, name)
+                assert actual == from_json(want[name]), (index, name)
             else:  # a field this layout does not have
                 assert actual is None, (index, name)
         assert event == _event(want)

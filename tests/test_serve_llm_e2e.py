@@ -78,17 +78,8 @@ def serve_llm_python() -> Path:
 def test_router_tokens_are_the_engines(tmp_path: Path) -> None:
     python = serve_llm_python()
     model = write_tiny_model(tmp_path / "model")
-    http = free_port_range(3)
-    events, replay = http + 1, http + 2
     with sigterm_as_interrupt():
-        server = VllmServer(
-            python,
-            model,
-            http_port=http,
-            events_port=events,
-            replay_port=replay,
-            log_path=tmp_path / "vllm.log",
-        )
+        server = VllmServer.on_ports(python, model, free_port_range(3), tmp_path)
         try:
             server.wait_healthy(300)
             env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

@@ -135,6 +135,16 @@ CONCURRENT_OFFLOAD = (
     "runs one request at a time and publishes prompt 0's CPU stores in the step after its GPU "
     "store. First difference at event #1: "
 )
+
+
+def concurrent_offload(name: str, difference: str) -> Any:
+    """Scenario ``name``, expected to fail (strict) where :data:`CONCURRENT_OFFLOAD` says, at
+    this first ``difference``."""
+    return pytest.param(
+        name, marks=pytest.mark.xfail(strict=True, reason=CONCURRENT_OFFLOAD + difference)
+    )
+
+
 EVICT_RESIDENT = (
     "which blocks survive depends on vLLM's concurrent schedule (8 requests per phase, 4 in the "
     "revisit): the simulator ends with 62 GPU hashes, 3 more than vLLM, which evicted p20b0-b2 "
@@ -148,21 +158,15 @@ EVICT_RESIDENT = (
         "prefix",
         "reset",
         pytest.param("evict", marks=CONCURRENT_EVICT),
-        pytest.param(
+        concurrent_offload(
             "offload",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=CONCURRENT_OFFLOAD + "vLLM seq 0 BlockStored GPU 7 hashes (prompt 1's "
-                "first chunk, in prompt 0's step), simulator seq 1 BlockStored CPU 1 hash (p0b0)",
-            ),
+            "vLLM seq 0 BlockStored GPU 7 hashes (prompt 1's first chunk, in prompt 0's step), "
+            "simulator seq 1 BlockStored CPU 1 hash (p0b0)",
         ),
-        pytest.param(
+        concurrent_offload(
             "offload-selfdesc",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=CONCURRENT_OFFLOAD + "vLLM seq 1 BlockStored GPU 8 hashes (prompt 1), "
-                "simulator seq 1 BlockStored CPU 1 hash (p0b0)",
-            ),
+            "vLLM seq 1 BlockStored GPU 8 hashes (prompt 1), "
+            "simulator seq 1 BlockStored CPU 1 hash (p0b0)",
         ),
     ],
 )

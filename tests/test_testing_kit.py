@@ -24,6 +24,7 @@ import pytest
 import zmq
 
 from kvbridge import Overlap
+from kvbridge.schemas.vllm import STORED_FIELDS
 from kvbridge.testing import (
     AllBlocksCleared,
     BlockRemoved,
@@ -31,32 +32,24 @@ from kvbridge.testing import (
     SimulatedEngine,
     SyncedIndex,
 )
+from kvbridge.testing.events import placeholder, removed, stored
 
 RECV_MS = 2000
 
 
 def gpu_stored(hashes: list[Any], parent: Any, tokens: list[int], block_size: int) -> BlockStored:
     """A GPU BlockStored as vLLM 0.32.0 publishes it."""
-    return BlockStored(
-        list(hashes),
-        parent,
-        list(tokens),
-        block_size,
-        None,
-        medium="GPU",
-        lora_name=None,
-        extra_keys=[None] * len(hashes),
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-    )
+    return stored(hashes, tokens, parent=parent, block_size=block_size)
 
 
 def gpu_removed(block_hash: Any) -> BlockRemoved:
-    return BlockRemoved([block_hash], medium="GPU", group_idx=0)
+    """The BlockRemoved vLLM's GPU pool sends for one evicted block."""
+    return removed([block_hash])
 
 
 def cpu_placeholder(block_hash: Any) -> BlockStored:
-    return BlockStored([block_hash], None, [], 0, None, medium="CPU", lora_name=None, group_idx=0)
+    """The OffloadingConnector's CPU store of one block (no tokens)."""
+    return placeholder([block_hash])
 
 
 def events(engine: SimulatedEngine, start: int = 0) -> list[list[Any]]:
@@ -397,19 +390,9 @@ def test_release_0_32_encodes_map_events(vllm_publisher):
     finally:
         sub.close()
     _, (event,), _ = msgspec.msgpack.decode(payload)
-    assert list(event) == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-        "kv_cache_spec_kind",
-    ]
+    # Every field up to kv_cache_spec_kind, the last one the engine sets (nil ones are omitted).
+    last = STORED_FIELDS.index("kv_cache_spec_kind")
+    assert list(event) == ["type", *STORED_FIELDS[: last + 1]]
 
 
 @pytest.mark.kvbridge_engine(block_size=4, topic="kv")

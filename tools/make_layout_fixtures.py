@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Write one msgpack fixture per vLLM KV-event wire layout, plus the values it must decode to.
 
-The script is deliberately independent of kvbridge (it imports only msgspec and the standard
-library): for every distinct layout it re-declares vLLM's own classes from
-``vllm/distributed/kv_events.py`` of that release (``EventBatch``, ``KVCacheEvent``,
-``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and lets msgspec encode one batch with
-them, exactly as vLLM's publisher does (``msgspec.msgpack.Encoder().encode(batch)``). The fixtures
-therefore cross-check kvbridge's own layout table rather than echo it.
+The script is deliberately independent of kvbridge (it imports only msgspec, the standard
+library and the sample values it shares with ``tools/release_fixtures/samples.py``): for every
+distinct layout it re-declares vLLM's own classes from ``vllm/distributed/kv_events.py`` of that
+release (``EventBatch``, ``KVCacheEvent``, ``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``) and lets msgspec encode one batch with them, exactly as vLLM's publisher
+does (``msgspec.msgpack.Encoder().encode(batch)``). The fixtures therefore cross-check
+kvbridge's own layout table rather than echo it.
 
 Everything that varies between releases lives in two tables: ``FIELDS`` (each field with the
 release that added it, taken from the "added" columns of the vLLM KV-events fact sheet) and
@@ -23,13 +24,23 @@ For each layout it writes ``vllm-<first release>.msgpack`` (the raw payload, ZMQ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
+from release_fixtures.samples import DATA_PARALLEL_RANK as DP_RANK
+from release_fixtures.samples import (
+    OPTIONAL_VALUES,
+    SAMPLES,
+    SHA_A,
+    SHA_B,
+    TS,
+    U64_A,
+    U64_B,
+    to_json,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The tables
@@ -115,77 +126,28 @@ RELEASES: tuple[Release, ...] = (
 # The sample batch (one for every layout; each layout keeps the fields it has)
 # ---------------------------------------------------------------------------------------------
 
-SHA_A = hashlib.sha256(b"a").digest()
-SHA_B = hashlib.sha256(b"b").digest()
-SHA_PARENT = hashlib.sha256(b"parent").digest()
-U64_A = int.from_bytes(SHA_A[-8:], "big")  # 13366815110101616827
-U64_B = int.from_bytes(SHA_B[-8:], "big")  # 14660323646696587421
-
-TS = 1700000000.5
-DP_RANK = 3
+REQUIRED_VALUES = {sample.name: sample.values for sample in SAMPLES if sample.fill}
+"""The values the release fixtures' samples set (``stored_int``: its four required fields)."""
+NO_OPTIONAL_VALUES = dict.fromkeys(OPTIONAL_VALUES)
+"""Every field past the required ones, nil."""
 
 SAMPLE_EVENTS: tuple[tuple[str, dict[str, Any]], ...] = (
     # Int hashes; every optional field set.
-    (
-        "BlockStored",
-        {
-            "block_hashes": [U64_A, U64_B],
-            "parent_block_hash": None,
-            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-            "block_size": 4,
-            "lora_id": 7,
-            "medium": "GPU",
-            "lora_name": "adapter-a",
-            "extra_keys": [["adapter-a", "salt-1"], None],
-            "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention",
-            "kv_cache_spec_sliding_window": 128,
-            "locality": "LOCAL",
-            "ownership": "kvcr",
-            "session_id": "sess-1",
-            "lookahead_token_ids": [[9, 10]],
-        },
-    ),
+    ("BlockStored", {**REQUIRED_VALUES["stored_int"], **OPTIONAL_VALUES}),
     # Negative (legacy builtin hash()) ints; every optional field nil.
-    (
-        "BlockStored",
-        {
-            "block_hashes": [-42, -(2**63)],
-            "parent_block_hash": -1234567890123456789,
-            "token_ids": [9, 10, 11, 12, 13, 14, 15, 16],
-            "block_size": 4,
-            "lora_id": None,
-            "medium": None,
-            "lora_name": None,
-            "extra_keys": None,
-            "group_idx": None,
-            "kv_cache_spec_kind": None,
-            "kv_cache_spec_sliding_window": None,
-            "locality": None,
-            "ownership": None,
-            "session_id": None,
-            "lookahead_token_ids": None,
-        },
-    ),
+    ("BlockStored", {**REQUIRED_VALUES["stored_negative"], **NO_OPTIONAL_VALUES}),
     # Raw 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 / offload tiers); a mix.
     (
         "BlockStored",
         {
-            "block_hashes": [SHA_A, SHA_B],
-            "parent_block_hash": SHA_PARENT,
-            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-            "block_size": 4,
+            **REQUIRED_VALUES["stored_bytes"],
+            **NO_OPTIONAL_VALUES,
             "lora_id": 0,
             "medium": "CPU",
-            "lora_name": None,
             "extra_keys": [None, ["salt-2"]],
             "group_idx": 1,
             "kv_cache_spec_kind": "sliding_window",
-            "kv_cache_spec_sliding_window": None,
             "locality": "REMOTE",
-            "ownership": None,
-            "session_id": None,
-            "lookahead_token_ids": None,
         },
     ),
     (
@@ -327,10 +289,7 @@ _PLACEHOLDER = (
 )
 _VECTOR_REMOVED = {"block_hashes": [U64_A], "medium": "GPU", "group_idx": 0}
 _VECTOR_STORED = {
-    "block_hashes": [U64_A, U64_B],
-    "parent_block_hash": None,
-    "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-    "block_size": 4,
+    **REQUIRED_VALUES["stored_int"],
     "lora_id": None,
     "medium": "GPU",
     "lora_name": None,
@@ -387,18 +346,6 @@ def check_vectors() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _json_hash(value: int | bytes | None) -> Any:
-    return {"bytes": value.hex()} if isinstance(value, bytes) else value
-
-
-def _json_value(name: str, value: Any) -> Any:
-    if name == "block_hashes":
-        return [_json_hash(h) for h in value]
-    if name == "parent_block_hash":
-        return _json_hash(value)
-    return value
-
-
 def build(release: Release) -> tuple[bytes, dict[str, Any]]:
     classes = declare(release)
     batch_fields = [f.name for f in fields_of("EventBatch", release)]
@@ -407,9 +354,7 @@ def build(release: Release) -> tuple[bytes, dict[str, Any]]:
     for tag, values in SAMPLE_EVENTS:
         names = [f.name for f in fields_of(tag, release)]
         events.append(classes[tag](**{name: values[name] for name in names}))
-        expected_events.append(
-            {"type": tag, **{name: _json_value(name, values[name]) for name in names}}
-        )
+        expected_events.append({"type": tag, **{name: to_json(values[name]) for name in names}})
     batch_values: dict[str, Any] = {"ts": TS, "events": events, "data_parallel_rank": DP_RANK}
     batch = classes["EventBatch"](**{name: batch_values[name] for name in batch_fields})
     payload = msgspec.msgpack.Encoder().encode(batch)

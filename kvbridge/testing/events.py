@@ -55,6 +55,7 @@ def stored(
     parent: BlockHash | None = None,
     block_size: int = BLOCK_SIZE,
     medium: str | None = "GPU",
+    lora_id: int | None = None,
     lora_name: str | None = None,
     extra_keys: ExtraKeys | None = (),
     group_idx: int | None = 0,
@@ -62,7 +63,8 @@ def stored(
     locality: str | None = None,
 ) -> BlockStored:
     """A self-describing ``BlockStored``: the blocks ``hashes``, chained to ``parent``, holding
-    ``tokens`` (``block_size`` per block).
+    ``tokens`` (``block_size`` per block), of the LoRA adapter ``lora_id`` / ``lora_name`` if
+    any.
 
     ``extra_keys`` defaults to one ``None`` per block, as vLLM sends them; ``None`` leaves the
     field out.
@@ -72,7 +74,7 @@ def stored(
         parent,
         list(tokens),
         block_size,
-        None,
+        lora_id,
         medium,
         lora_name,
         [None] * len(hashes) if extra_keys == () else _list(extra_keys),

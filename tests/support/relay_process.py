@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -35,6 +35,7 @@ __all__ = [
     "kvbridge_command",
     "parse_metrics",
     "port_of",
+    "start_kvbridge",
     "stop_process",
     "wait_tcp_peers",
 ]
@@ -114,7 +115,20 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = 5.0) -> None
 
 
 def kvbridge_command(*args: str) -> list[str]:
+    """``python -m kvbridge.cli ARGS`` with this interpreter."""
     return [sys.executable, "-m", "kvbridge.cli", *args]
+
+
+def start_kvbridge(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """``kvbridge ARGS`` started with its stdout and stderr piped, as text (``env``: the
+    child's environment, this process's by default)."""
+    return subprocess.Popen(
+        kvbridge_command(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 class RelayProcess:

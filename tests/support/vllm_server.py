@@ -178,6 +178,19 @@ class VllmServer:
     Construction only starts the process; call :meth:`wait_healthy`.
     """
 
+    @classmethod
+    def on_ports(cls, python: Path, model_dir: Path, first_port: int, log_dir: Path) -> VllmServer:
+        """The server on three consecutive ports from ``first_port`` (HTTP, KV events, replay),
+        its log ``log_dir / "vllm.log"``."""
+        return cls(
+            python,
+            model_dir,
+            http_port=first_port,
+            events_port=first_port + 1,
+            replay_port=first_port + 2,
+            log_path=log_dir / "vllm.log",
+        )
+
     def __init__(
         self,
         python: Path,

