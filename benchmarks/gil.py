@@ -111,7 +111,7 @@ def publisher(endpoint: str, blocks: int, seed: int, control: Connection) -> Non
     until ``"stop"``; answers ``"stop"`` with the number of batches sent."""
     pin(1)
     from normalize import VARIANTS, count_blocks, encode_steps, simulate
-    from relay import gpu_only
+    from relay_throughput import gpu_only
 
     from kvbridge.schemas.vllm import AllBlocksCleared, VllmBatch, encode_batch, layout_for
 
