@@ -592,6 +592,6 @@ def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
         snapshot, *after = [batch[1:] for batch in replay(sources[1], 0)]
         assert snapshot == [[{"type": "AllBlocksCleared"}], 1], "a snapshot of output 1"
         assert all(batch == [[], 1] for batch in after), "heartbeats published since"
-        assert relay.output_stats["snapshots"] == 1
+        assert relay.output_stats.snapshots == 1
         live.close(linger=0)
     ctx.term()

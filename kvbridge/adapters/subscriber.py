@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from collections.abc import Iterable
 from typing import Final, Literal
 
@@ -82,6 +81,7 @@ import zmq
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Message, Source, StreamReset, connect_address
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
 __all__ = [
     "Message",
@@ -214,11 +214,9 @@ class Subscriber:
         self.clear_interval = clear_interval
         self.replay_max_messages = replay_max_messages
         self.replay_max_bytes = replay_max_bytes
-        self.stats: Counter[str] = Counter()
-        """``messages``, ``gaps``, ``replays``, ``replayed``, ``lost``, ``restarts``,
-        ``duplicates``, ``resyncs``, ``disconnects``, ``reconnect_checks``, ``replay_timeouts``,
-        ``replay_truncated`` and ``bad_frame:<reason>`` (``oversized``, ``seq_jump``,
-        ``throttled``...)."""
+        self.stats = SubscriberStats()
+        """Every source's counts: messages, gaps, replays, losses, restarts, bad frames by
+        :class:`~kvbridge.adapters.stream_stats.BadFrame`..."""
         self._warn = LogLimiter(log.warning)
         self._info = LogLimiter(log.info)
         self._poller = zmq.Poller()
@@ -348,7 +346,7 @@ class Subscriber:
                 monitor.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 break
-            self.stats["disconnects"] += 1
+            self.stats.disconnects += 1
         stream.reconnected = stream.last is not None
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:
@@ -381,22 +379,24 @@ class Subscriber:
 
     # -- one live message ----------------------------------------------------------------
 
-    def _bad(self, stream: _Stream, reason: str, seq: int | None = None) -> None:
-        self.stats[f"bad_frame:{reason}"] += 1
+    def _bad(self, stream: _Stream, reason: BadFrame, seq: int | None = None) -> None:
+        self.stats.bad_frames[reason] += 1
         endpoint = stream.source.endpoint
-        self._warn("bad frame skipped", (endpoint, reason), stream=endpoint, seq=seq, reason=reason)
+        self._warn(
+            "bad frame skipped", (endpoint, reason), stream=endpoint, seq=seq, reason=reason.value
+        )
 
     def _check(self, stream: _Stream, frames: list[bytes]) -> int | None:
         if len(frames) != 3:
-            self._bad(stream, "frame_count")
+            self._bad(stream, BadFrame.FRAME_COUNT)
             return None
         seq_frame = frames[1]
         if len(seq_frame) != 8:
-            self._bad(stream, "bad_seq")
+            self._bad(stream, BadFrame.BAD_SEQ)
             return None
         seq = int.from_bytes(seq_frame, "big")
         if max(map(len, frames)) > self.max_frame_bytes:
-            self._bad(stream, "oversized", seq)
+            self._bad(stream, BadFrame.OVERSIZED, seq)
             return None
         return seq
 
@@ -422,13 +422,13 @@ class Subscriber:
             stream.suspended = True
             endpoint = stream.source.endpoint
             self._warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, seq=seq)
-        self.stats["bad_frame:throttled"] += 1
+        self.stats.bad_frames[BadFrame.THROTTLED] += 1
 
     def _resync(
         self, stream: _Stream, frames: list[bytes], seq: int, out: list[Message | StreamReset]
     ) -> list[Message | StreamReset]:
         """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
-        self.stats["resyncs"] += 1
+        self.stats.resyncs += 1
         endpoint = stream.source.endpoint
         self._warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
         stream.suspended = False
@@ -444,7 +444,7 @@ class Subscriber:
         seq = self._check(stream, frames)
         if seq is None:
             return []
-        self.stats["messages"] += 1
+        self.stats.messages += 1
         out: list[Message | StreamReset] = []
         endpoint = stream.source.endpoint
         if stream.suspended:
@@ -453,7 +453,7 @@ class Subscriber:
                 return out
             last = stream.last
             if last is not None and 0 < seq - last - 1 <= self.max_gap:
-                self.stats["lost"] += seq - last - 1  # shed or skipped while suspended
+                self.stats.lost += seq - last - 1  # shed or skipped while suspended
             return self._resync(stream, frames, seq, out)
         last = stream.last
         checked: list[Message] | None = None
@@ -465,13 +465,13 @@ class Subscriber:
                 replaced = checked is None
         if last is not None and (replaced or seq <= last):
             if not replaced and stream.live_last < seq <= stream.replayed_through:
-                self.stats["duplicates"] += 1
+                self.stats.duplicates += 1
                 stream.live_last = seq
                 return out
             if not self._may_clear(stream):
                 self._suspend(stream, seq)
                 return out
-            self.stats["restarts"] += 1
+            self.stats.restarts += 1
             self._warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
             out.append(self._reset(stream, "restart"))
             stream.last, last = None, None
@@ -481,22 +481,22 @@ class Subscriber:
             if last is not None and seq - expected > self.max_gap:
                 if stream.jumped_to is None or seq != stream.jumped_to + 1:
                     stream.jumped_to = seq
-                    self._bad(stream, "seq_jump", seq)
+                    self._bad(stream, BadFrame.SEQ_JUMP, seq)
                     return out
                 if not self._may_clear(stream):  # it did move there: start over
                     self._suspend(stream, seq)
                     return out
                 return self._resync(stream, frames, seq, out)
             if last is not None:
-                self.stats["gaps"] += 1
+                self.stats.gaps += 1
                 self._info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
             out.extend(self._recover(stream, expected, seq, checked))
             if stream.suspended:
-                self.stats["bad_frame:throttled"] += 1
+                self.stats.bad_frames[BadFrame.THROTTLED] += 1
                 return out
             stream.live_last = seq
             if stream.last is not None and seq <= stream.last:
-                self.stats["duplicates"] += 1
+                self.stats.duplicates += 1
                 return out  # the replay already delivered this one
         stream.jumped_to = None
         stream.last = stream.live_last = seq
@@ -509,7 +509,7 @@ class Subscriber:
         as ``last`` (the same publisher, so the replay fills what the drop cost), else ``None``
         (a new process, or one that cannot show it is not). Without a replay endpoint the
         publisher is taken as the same: a gap then counts as lost and clears downstream."""
-        self.stats["reconnect_checks"] += 1
+        self.stats.reconnect_checks += 1
         if not stream.source.replay_endpoint:
             return []
         answer = self._replay(stream, last)
@@ -555,11 +555,11 @@ class Subscriber:
                     return out
                 lost = seq - expected
                 if lost > self.max_gap:
-                    self.stats["resyncs"] += 1
+                    self.stats.resyncs += 1
                     self._warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
                     out.append(self._reset(stream, "restart"))
                 else:
-                    self.stats["lost"] += lost
+                    self.stats.lost += lost
                     self._warn(
                         "batches lost", (endpoint,), stream=endpoint, first=expected, count=lost
                     )
@@ -570,7 +570,7 @@ class Subscriber:
             stream.last = seq
             stream.last_payload = message.payload
             stream.replayed_through = max(stream.replayed_through, seq)
-            self.stats["replayed"] += 1
+            self.stats.replayed += 1
             out.append(message)
         return out
 
@@ -586,7 +586,7 @@ class Subscriber:
 
         Reads at most ``replay_max_messages`` batches and ``replay_max_bytes`` of payload; past
         that the answer is abandoned (its DEALER closed), and what it held counts as lost."""
-        self.stats["replays"] += 1
+        self.stats.replays += 1
         source = stream.source
         assert source.replay_endpoint is not None
         if stream.dealer is None:
@@ -609,28 +609,28 @@ class Subscriber:
                     stream=source.replay_endpoint,
                     start=start,
                 )
-                self.stats["replay_timeouts"] += 1
+                self.stats.replay_timeouts += 1
                 dealer.close(0)  # late replies must not be read as the next replay's
                 stream.dealer = None
                 break
             answer = parse_answer(dealer.recv_multipart(), source.topic.encode())
             if answer is None:
-                self._bad(stream, "replay_frame_count")
+                self._bad(stream, BadFrame.REPLAY_FRAME_COUNT)
                 continue
             topic, seq_frame, payload = answer
             if seq_frame == END_SEQ or not payload:
                 break
             if len(seq_frame) != 8:
-                self._bad(stream, "bad_seq")
+                self._bad(stream, BadFrame.BAD_SEQ)
                 continue
             seq = int.from_bytes(seq_frame, "big")
             if len(payload) > self.max_frame_bytes:
-                self._bad(stream, "oversized", seq)
+                self._bad(stream, BadFrame.OVERSIZED, seq)
                 continue
             messages.append(Message(source, seq, topic, payload, time.time_ns(), replayed=True))
             size += len(payload)
             if len(messages) >= self.replay_max_messages or size >= self.replay_max_bytes:
-                self.stats["replay_truncated"] += 1
+                self.stats.replay_truncated += 1
                 self._warn(
                     "replay answer truncated",
                     (source.replay_endpoint,),

@@ -43,6 +43,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Coroutine, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -350,7 +351,7 @@ def _relay_stats(hop: Any) -> dict[str, dict[str, Any]]:
         drops: Counter[str] = Counter()
         for state in relay.workers.values():
             drops.update(state.normalizer.stats)
-        out[replica] = {**dict(relay.stats), "drops": dict(drops)}
+        out[replica] = {**asdict(relay.stats), "drops": dict(drops)}
     return out
 
 
@@ -367,7 +368,7 @@ def _router_stats(actor: Any) -> dict[str, Any]:
             "outcomes": dict(stats.outcomes),
             "fallbacks": dict(stats.fallbacks),
             "overlap_blocks": dict(stats.overlap_blocks),
-            "registry": dict(stats.registry),
+            "registry": asdict(stats.registry),
             "decisions": [
                 {
                     "replica": d.replica_id,
