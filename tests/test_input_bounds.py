@@ -12,7 +12,9 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from copy import deepcopy
+from typing import Any
 
 import pytest
 import structlog
@@ -29,18 +31,23 @@ LOCAL = "tcp://127.0.0.1:0"
 TIMEOUT = 10.0
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def engine(ctx: zmq.Context[zmq.Socket[bytes]], worker_id: int = 1) -> tuple[Publisher, Source]:
     """A publisher without a replay socket and the Source that connects to it."""
     publisher = Publisher(LOCAL, bind=True, context=ctx)
     port = publisher.endpoint.rsplit(":", 1)[1]
     return publisher, Source(f"tcp://*:{port}", None, worker_id)
+
+
+@contextmanager
+def subscribed(
+    ctx: zmq.Context[zmq.Socket[bytes]], **options: Any
+) -> Iterator[tuple[Publisher, Subscriber]]:
+    """One engine (:func:`engine`) and a :class:`Subscriber` to it with ``options``, once the
+    engine sees the subscription; both closed on exit."""
+    publisher, source = engine(ctx)
+    with publisher, Subscriber([source], context=ctx, **options) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        yield publisher, subscriber
 
 
 def messages(stats: SubscriberStats) -> int:
@@ -124,9 +131,7 @@ def test_the_poll_budget_is_shared_round_robin(ctx: zmq.Context[zmq.Socket[bytes
 def test_a_frame_past_maxmsgsize_is_refused_and_the_subscriber_reconnects(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
-    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx, max_frame_bytes=1024) as (publisher, subscriber):
         publisher.publish(b"ok")  # 0
         drain(subscriber, 1)
         publisher.publish(b"y" * 1500)  # 1: received, counted oversized
@@ -161,9 +166,7 @@ def test_a_drop_in_the_same_poll_as_its_sockets_messages(
     """A batch queued on the SUB when ZMQ refuses the next frame: one poll finds the SUB and
     its monitor ready, and the SUB is replaced before its messages are read. The subscriber
     reads only sockets it still holds (the old one's queue is a gap of the new one)."""
-    publisher, source = engine(ctx)
-    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx, max_frame_bytes=1024) as (publisher, subscriber):
         publisher.publish(b"ok")  # 0
         drain(subscriber, 1)
         for _ in range(50):
@@ -180,11 +183,7 @@ def test_a_drop_in_the_same_poll_as_its_sockets_messages(
         stats = deepcopy(subscriber.stats)
     assert isinstance(items[0], StreamReset) and isinstance(items[1], Message)
     assert stats == SubscriberStats(
-        messages=2,
-        disconnects=1,
-        reconnect_checks=1,
-        gaps=1,
-        lost=items[1].seq - 1,
+        messages=2, disconnects=1, reconnect_checks=1, gaps=1, lost=items[1].seq - 1
     )
 
 
@@ -253,9 +252,7 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
 def test_a_jump_past_max_gap_is_bad_input_and_a_stream_that_moved_is_resynced(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
-    with publisher, Subscriber([source], context=ctx, max_gap=1000) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx, max_gap=1000) as (publisher, subscriber):
         for seq in (0, 1, 2**40, 2, 2**62, 2**62 + 1, 2**62 + 2):
             publisher.publish(b"x", seq=seq)
         items = drain(subscriber, 7)
@@ -271,10 +268,8 @@ def test_a_jump_past_max_gap_is_bad_input_and_a_stream_that_moved_is_resynced(
 def test_a_first_batch_far_past_zero_is_a_resync_not_a_loss(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
     first = time.time_ns() // 1000  # where a relay's output starts
-    with publisher, Subscriber([source], context=ctx) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx) as (publisher, subscriber):
         publisher.publish(b"x", seq=first)
         publisher.publish(b"x")
         items = drain(subscriber, 2)
@@ -288,10 +283,8 @@ def test_random_sequence_numbers_make_a_bounded_number_of_clears(
     ctx: zmq.Context[zmq.Socket[bytes]], high: int
 ) -> None:
     rng = random.Random(high)
-    publisher, source = engine(ctx)
     started = time.monotonic()
-    with publisher, Subscriber([source], context=ctx) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx) as (publisher, subscriber):
         for _ in range(5000):
             publisher.publish(b"x", seq=rng.randrange(0, high))
         items = drain(subscriber, 5000)
@@ -320,13 +313,7 @@ def test_random_sequence_numbers_make_a_bounded_number_of_clears(
 def test_100k_garbage_frames_write_a_bounded_number_of_short_lines(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
-    with (
-        structlog.testing.capture_logs() as lines,
-        publisher,
-        Subscriber([source], context=ctx) as subscriber,
-    ):
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with structlog.testing.capture_logs() as lines, subscribed(ctx) as (publisher, subscriber):
         for seq in range(100_000):
             publisher.send_frames([b"t", seq.to_bytes(8, "big")])  # two frames: frame_count
             if seq % 5000 == 0:

@@ -21,7 +21,9 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import deepcopy
+from typing import Any, NamedTuple
 
 import pytest
 import zmq
@@ -45,13 +47,6 @@ TIMEOUT = 5.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def port_of(endpoint: str) -> int:
@@ -93,6 +88,29 @@ def spy(subscriber: Subscriber) -> list[Message | StreamReset]:
 
     subscriber.poll = recording_poll  # type: ignore[method-assign]
     return seen
+
+
+class Relayed(NamedTuple):
+    """What :func:`relayed` sets up."""
+
+    publisher: Publisher
+    source: Source
+    relay: Relay
+    index: TieredIndex
+    seen: list[Message | StreamReset]
+    """Everything the relay's subscriber handed out (:func:`spy`)."""
+
+
+@contextmanager
+def relayed(ctx: zmq.Context[zmq.Socket[bytes]], **options: Any) -> Iterator[Relayed]:
+    """An engine publisher (:func:`engine_publisher` with ``options``) and a relay with an
+    in-process index consuming it, once the publisher sees the subscription; closed on exit."""
+    publisher, source = engine_publisher(ctx, **options)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        yield Relayed(publisher, source, relay, index, seen)
 
 
 def deliver(relay: Relay, source: Source, seq: int) -> None:
@@ -148,10 +166,13 @@ def test_dropped_batches_are_replayed_and_the_index_is_lossless(
     runs = runs_of(drops)
     assert (len(drops), runs) == (30, 26)  # the pattern has runs longer than one
 
-    publisher, source = engine_publisher(ctx, replay_topic_frame=replay_topic_frame)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx, replay_topic_frame=replay_topic_frame) as (
+        publisher,
+        source,
+        relay,
+        index,
+        _,
+    ):
         for seq, payload in enumerate(payloads):
             assert publisher.publish(payload, send=seq not in drops) == seq
             if seq not in drops:
@@ -199,11 +220,7 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
     payloads = [encoded(events, ts=TS0 + step) for step, events in enumerate(batches)]
     prompts = [a, b, c, d, e, f, g, h, c_child]
 
-    publisher, source = engine_publisher(ctx, buffer_steps=2)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx, buffer_steps=2) as (publisher, source, relay, index, seen):
         for seq in (0, 1):
             publisher.publish(payloads[seq])
             deliver(relay, source, seq)
@@ -228,14 +245,7 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
         (7, True),
         (8, False),
     ]
-    assert stats == SubscriberStats(
-        messages=4,
-        gaps=1,
-        replays=1,
-        replayed=2,
-        duplicates=1,
-        lost=4,
-    )
+    assert stats == SubscriberStats(messages=4, gaps=1, replays=1, replayed=2, duplicates=1, lost=4)
     # Nothing stale: A, removed in lost batches, is gone, and so is everything else stored
     # before the loss, except what the engine showed it still holds: batch 7 stores C's child
     # under C's last block, so C is announced again with it. The index is the one the batches
@@ -258,20 +268,25 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
     ]
 
 
+def relay_after_unsent(
+    ctx: zmq.Context[zmq.Socket[bytes]], payloads: list[bytes], unsent: int, *, replay: bool
+) -> tuple[Source, list[Message | StreamReset], SubscriberStats, TieredIndex]:
+    """Publish the first ``unsent`` payloads without sending them (the subscriber's first
+    message is past 0), then the rest in lock step, into a relay with an index: the source,
+    what the relay's subscriber handed out, its stats and the index."""
+    with relayed(ctx, replay=replay) as (publisher, source, relay, index, seen):
+        for seq in range(unsent):
+            publisher.publish(payloads[seq], send=False)
+        for seq in range(unsent, len(payloads)):
+            publisher.publish(payloads[seq])
+            deliver(relay, source, seq)
+        return source, seen, deepcopy(relay.subscriber.stats), index
+
+
 def test_first_message_past_zero_replays_from_zero(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     stream = seeded_stream(11, 7, block_size=BS)
     payloads = stream.payloads
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        for seq in range(5):
-            publisher.publish(payloads[seq], send=False)
-        for seq in (5, 6):
-            publisher.publish(payloads[seq])
-            deliver(relay, source, seq)
-        stats = deepcopy(relay.subscriber.stats)
+    _, seen, stats, index = relay_after_unsent(ctx, payloads, 5, replay=True)
 
     assert shape(seen) == [*((seq, True) for seq in range(6)), (6, False)]
     assert stats == SubscriberStats(messages=2, replays=1, replayed=6, duplicates=1)
@@ -284,18 +299,8 @@ def test_first_message_past_zero_without_replay_is_a_loss(
 ) -> None:
     stream = seeded_stream(12, 5, block_size=BS)
     payloads = stream.payloads
-    publisher, source = engine_publisher(ctx, replay=False)
+    source, seen, stats, index = relay_after_unsent(ctx, payloads, 3, replay=False)
     assert source.replay_endpoint is None
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        for seq in range(3):
-            publisher.publish(payloads[seq], send=False)
-        for seq in (3, 4):
-            publisher.publish(payloads[seq])
-            deliver(relay, source, seq)
-        stats = deepcopy(relay.subscriber.stats)
 
     assert shape(seen) == [("lost", 3), (3, False), (4, False)]
     assert stats == SubscriberStats(messages=2, lost=3)
@@ -340,11 +345,7 @@ def test_restart_clears_the_worker_at_the_first_new_message(
     after = [
         encoded([stored(block_hashes(p, BS), p)], ts=TS0 + 10 + i) for i, p in enumerate((c, d))
     ]
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx) as (publisher, source, relay, index, seen):
         for payload in before:
             deliver(relay, source, publisher.publish(payload))
         assert overlaps(index, [a, b]) == [{(1, 0): (3, 3, 3)}] * 2
@@ -369,11 +370,7 @@ def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
 ) -> None:
     stream = seeded_stream(5, 5, block_size=BS)
     payloads = stream.payloads
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx) as (publisher, source, relay, index, seen):
         deliver(relay, source, publisher.publish(payloads[0]))
         # Batch 1 dropped, then 2-4 published before the relay looks: the replay that batch 2
         # triggers returns 1-4, so the live 2, 3 and 4 arrive after their replayed copies.
@@ -399,11 +396,7 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
     payloads = [
         encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate((a, b, c, d))
     ]
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx) as (publisher, source, relay, index, seen):
         deliver(relay, source, publisher.publish(payloads[0]))
         publisher.publish(payloads[1], send=False)
         deliver(relay, source, publisher.publish(payloads[2]))  # replays 1 and 2
