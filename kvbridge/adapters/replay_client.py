@@ -20,6 +20,7 @@ frames). Its three uses:
 from __future__ import annotations
 
 import time
+from dataclasses import KW_ONLY, dataclass
 from typing import Final
 
 import zmq
@@ -36,6 +37,7 @@ DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
 DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
 
 
+@dataclass(eq=False)
 class ReplayClient:
     """Replays for the streams of one subscriber, counted in the subscriber's stats.
 
@@ -43,30 +45,19 @@ class ReplayClient:
     replayed batch meets the bounds of a live one; ``max_gap`` tells a loss from a resync.
     """
 
-    def __init__(
-        self,
-        context: zmq.Context[zmq.Socket[bytes]],
-        stats: SubscriberStats,
-        warn: LogLimiter,
-        *,
-        timeout: float,
-        max_messages: int,
-        max_bytes: int,
-        max_frame_bytes: int,
-        maxmsgsize: int,
-        rcvhwm: int,
-        max_gap: int,
-    ) -> None:
-        self.context = context
-        self.stats = stats
-        self._warn = warn
-        self.timeout = timeout
-        self.max_messages = max_messages
-        self.max_bytes = max_bytes
-        self.max_frame_bytes = max_frame_bytes
-        self.maxmsgsize = maxmsgsize
-        self.rcvhwm = rcvhwm
-        self.max_gap = max_gap
+    context: zmq.Context[zmq.Socket[bytes]]
+    stats: SubscriberStats
+    warn: LogLimiter
+    """The subscriber's limiter: one budget of lines per stream and event, whoever logs."""
+    _: KW_ONLY
+    timeout: float
+    """Seconds one answer may take, to its end marker."""
+    max_messages: int
+    max_bytes: int
+    max_frame_bytes: int
+    maxmsgsize: int
+    rcvhwm: int
+    max_gap: int
 
     def check_publisher(self, stream: StreamState, last: int) -> list[Message] | None:
         """After a reconnect: the replay from ``last`` if its first batch is the one delivered
@@ -80,7 +71,7 @@ class ReplayClient:
         if answer and answer[0].seq == last and answer[0].payload == stream.last_payload:
             return answer
         endpoint = stream.source.endpoint
-        self._warn("publisher replaced", (endpoint,), stream=endpoint, last=last)
+        self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last)
         return None
 
     def recover(
@@ -113,16 +104,16 @@ class ReplayClient:
                 continue  # already delivered
             if seq > expected:
                 if not stream.may_clear():
-                    stream.suspend(self._warn)
+                    stream.suspend(self.warn)
                     return out
                 lost = seq - expected
                 if lost > self.max_gap:
                     self.stats.resyncs += 1
-                    self._warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+                    self.warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
                     out.append(stream.reset("restart"))
                 else:
                     self.stats.lost += lost
-                    self._warn(
+                    self.warn(
                         "batches lost", (endpoint,), stream=endpoint, first=expected, count=lost
                     )
                     out.append(stream.reset("lost", lost))
@@ -158,7 +149,7 @@ class ReplayClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
-                self._warn(
+                self.warn(
                     "replay timed out",
                     (source.replay_endpoint,),
                     stream=source.replay_endpoint,
@@ -170,23 +161,23 @@ class ReplayClient:
                 break
             answer = parse_answer(dealer.recv_multipart(), source.topic.encode())
             if answer is None:
-                skip_bad_frame(self.stats, self._warn, stream, BadFrame.REPLAY_FRAME_COUNT)
+                skip_bad_frame(self.stats, self.warn, stream, BadFrame.REPLAY_FRAME_COUNT)
                 continue
             topic, seq_frame, payload = answer
             if seq_frame == END_SEQ or not payload:
                 break
             if len(seq_frame) != 8:
-                skip_bad_frame(self.stats, self._warn, stream, BadFrame.BAD_SEQ)
+                skip_bad_frame(self.stats, self.warn, stream, BadFrame.BAD_SEQ)
                 continue
             seq = int.from_bytes(seq_frame, "big")
             if len(payload) > self.max_frame_bytes:
-                skip_bad_frame(self.stats, self._warn, stream, BadFrame.OVERSIZED, seq)
+                skip_bad_frame(self.stats, self.warn, stream, BadFrame.OVERSIZED, seq)
                 continue
             messages.append(Message(source, seq, topic, payload, time.time_ns(), replayed=True))
             size += len(payload)
             if len(messages) >= self.max_messages or size >= self.max_bytes:
                 self.stats.replay_truncated += 1
-                self._warn(
+                self.warn(
                     "replay answer truncated",
                     (source.replay_endpoint,),
                     stream=source.replay_endpoint,

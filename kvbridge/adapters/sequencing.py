@@ -29,6 +29,7 @@ message it reads comes here with its source's
 from __future__ import annotations
 
 import time
+from dataclasses import KW_ONLY, dataclass, field
 
 import structlog
 
@@ -43,27 +44,22 @@ __all__ = ["Sequencer"]
 log = structlog.get_logger("kvbridge.zmq")
 
 
+@dataclass(eq=False)
 class Sequencer:
     """The sequence logic of one subscriber's streams, counted in the subscriber's stats."""
 
-    def __init__(
-        self,
-        stats: SubscriberStats,
-        warn: LogLimiter,
-        replay: ReplayClient,
-        *,
-        max_frame_bytes: int,
-        max_gap: int,
-    ) -> None:
-        self.stats = stats
-        self._warn = warn
-        self._info = LogLimiter(log.info)
-        self.replay = replay
-        self.max_frame_bytes = max_frame_bytes
-        self.max_gap = max_gap
+    stats: SubscriberStats
+    warn: LogLimiter
+    """The subscriber's limiter: one budget of lines per stream and event, whoever logs."""
+    replay: ReplayClient
+    _: KW_ONLY
+    max_frame_bytes: int
+    max_gap: int
+    info: LogLimiter = field(default_factory=lambda: LogLimiter(log.info), init=False)
+    """Gaps, which are expected under load, at info level."""
 
     def _bad(self, stream: StreamState, reason: BadFrame, seq: int | None = None) -> None:
-        skip_bad_frame(self.stats, self._warn, stream, reason, seq)
+        skip_bad_frame(self.stats, self.warn, stream, reason, seq)
 
     def _check(self, stream: StreamState, frames: list[bytes]) -> int | None:
         if len(frames) != 3:
@@ -81,7 +77,7 @@ class Sequencer:
 
     def _suspend(self, stream: StreamState, seq: int) -> None:
         """No token for the clear a discontinuity needs: skip until one is back, then resync."""
-        stream.suspend(self._warn, seq)
+        stream.suspend(self.warn, seq)
         self.stats.bad_frames[BadFrame.THROTTLED] += 1
 
     def _resync(
@@ -90,7 +86,7 @@ class Sequencer:
         """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
         self.stats.resyncs += 1
         endpoint = stream.source.endpoint
-        self._warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+        self.warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
         stream.suspended = False
         stream.jumped_to = None
         out.append(stream.reset("restart"))
@@ -134,7 +130,7 @@ class Sequencer:
                 self._suspend(stream, seq)
                 return out
             self.stats.restarts += 1
-            self._warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
+            self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
             out.append(stream.reset("restart"))
             stream.last, last = None, None
             stream.live_last = stream.replayed_through = -1
@@ -151,7 +147,7 @@ class Sequencer:
                 return self._resync(stream, frames, seq, out)
             if last is not None:
                 self.stats.gaps += 1
-                self._info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
+                self.info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
             out.extend(self.replay.recover(stream, expected, seq, checked))
             if stream.suspended:
                 self.stats.bad_frames[BadFrame.THROTTLED] += 1
