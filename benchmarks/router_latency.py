@@ -101,6 +101,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.ray_integration import DynamoKVRouter
+from kvbridge.ray_integration.decisions import Release
 from kvbridge.ray_integration.routing import close_routing_states, worker_id_for
 from kvbridge.testing import SimulatedEngine
 
@@ -433,7 +434,10 @@ async def until_freed(router: DynamoKVRouter) -> None:
     from idle workers (``on_request_completed`` only submits the free)."""
     stats = router.routing.stats
     deadline = time.monotonic() + 5.0
-    while stats.registry["freed"] + stats.registry["free_failed"] < stats.outcomes["dynamo"]:
+    while (
+        stats.registry.releases[Release.FREED] + stats.registry.free_failed
+        < stats.outcomes["dynamo"]
+    ):
         if time.monotonic() > deadline:
             raise SystemExit("Dynamo did not free a reservation within 5 s")
         await asyncio.sleep(0.0002)

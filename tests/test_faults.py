@@ -469,7 +469,7 @@ def test_heartbeat_reveals_a_gap_while_idle_and_a_new_listener_gets_a_snapshot(
         rig.start_dynamo()
         rig.use(PROMPTS[:5])
         rig.converge()
-        assert relay.output_stats["snapshots"] == 1  # this listener's first replay, from 0
+        assert relay.output_stats.snapshots == 1  # this listener's first replay, from 0
 
         (output,) = relay.outputs.values()
         original = output.publish
@@ -483,22 +483,22 @@ def test_heartbeat_reveals_a_gap_while_idle_and_a_new_listener_gets_a_snapshot(
             return used
 
         output.publish = publish  # type: ignore[method-assign]
-        beats = relay.output_stats["heartbeats"]
+        beats = relay.output_stats.heartbeats
         published = rig.engine.total_published
         rig.use(PROMPTS[5:8])
         assert SelectionHarness.wait_for(
-            lambda: relay.stats["batches_in"] == rig.engine.total_published
+            lambda: relay.stats.batches_in == rig.engine.total_published
         )
         dropping = False
         assert len(dropped) >= rig.engine.total_published - published > 0
         rig.converge()
-        assert relay.output_stats["heartbeats"] > beats
-        assert relay.output_stats["snapshots"] == 1  # the gap was in the buffer
-        assert relay.stats["batches_out"] == rig.engine.total_published
-        assert relay.subscriber.stats["gaps"] == 0
+        assert relay.output_stats.heartbeats > beats
+        assert relay.output_stats.snapshots == 1  # the gap was in the buffer
+        assert relay.stats.batches_out == rig.engine.total_published
+        assert relay.subscriber.stats.gaps == 0
 
         rig.stop_dynamo()
         rig.start_dynamo()
         rig.converge()
-        assert relay.output_stats["snapshots"] == 2
-        assert relay.output_stats["opened"] == 1
+        assert relay.output_stats.snapshots == 2
+        assert relay.output_stats.opened == 1

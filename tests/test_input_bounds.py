@@ -11,7 +11,10 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from copy import deepcopy
+from typing import Any
 
 import pytest
 import structlog
@@ -21,17 +24,11 @@ from kvbridge.adapters.logs import DEFAULT_BURST
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 from kvbridge.adapters.subscriber import DEFAULT_CLEAR_BURST, MAXMSGSIZE_MARGIN, Subscriber
 
 LOCAL = "tcp://127.0.0.1:0"
 TIMEOUT = 10.0
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def engine(ctx: zmq.Context[zmq.Socket[bytes]], worker_id: int = 1) -> tuple[Publisher, Source]:
@@ -41,12 +38,30 @@ def engine(ctx: zmq.Context[zmq.Socket[bytes]], worker_id: int = 1) -> tuple[Pub
     return publisher, Source(f"tcp://*:{port}", None, worker_id)
 
 
-def drain(subscriber: Subscriber, until: int, key: str = "messages") -> list[Message | StreamReset]:
-    """Poll until ``subscriber.stats[key]`` reaches ``until``."""
+@contextmanager
+def subscribed(
+    ctx: zmq.Context[zmq.Socket[bytes]], **options: Any
+) -> Iterator[tuple[Publisher, Subscriber]]:
+    """One engine (:func:`engine`) and a :class:`Subscriber` to it with ``options``, once the
+    engine sees the subscription; both closed on exit."""
+    publisher, source = engine(ctx)
+    with publisher, Subscriber([source], context=ctx, **options) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        yield publisher, subscriber
+
+
+def messages(stats: SubscriberStats) -> int:
+    return stats.messages
+
+
+def drain(
+    subscriber: Subscriber, until: int, count: Callable[[SubscriberStats], int] = messages
+) -> list[Message | StreamReset]:
+    """Poll until ``count(subscriber.stats)`` reaches ``until``."""
     items: list[Message | StreamReset] = []
     deadline = time.monotonic() + TIMEOUT
-    while subscriber.stats[key] < until:
-        assert time.monotonic() < deadline, dict(subscriber.stats)
+    while count(subscriber.stats) < until:
+        assert time.monotonic() < deadline, subscriber.stats
         items.extend(subscriber.poll(20))
     return items
 
@@ -82,11 +97,11 @@ def test_a_fast_source_does_not_starve_a_slow_one(ctx: zmq.Context[zmq.Socket[by
         second = subscriber.poll(100)
         assert Counter(item.source.worker_id for item in second) == {1: 200}
         rest = drain(subscriber, 5010)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
 
     seqs = [item.seq for item in [*first, *second, *rest] if isinstance(item, Message)]
     assert sorted(seqs) == sorted([*range(5000), *range(10)])
-    assert stats == {"messages": 5010}  # RCVHWM (10,000) held the backlog: nothing shed
+    assert stats == SubscriberStats(messages=5010)  # RCVHWM (10,000) held the backlog: nothing shed
 
 
 def test_the_poll_budget_is_shared_round_robin(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
@@ -116,35 +131,33 @@ def test_the_poll_budget_is_shared_round_robin(ctx: zmq.Context[zmq.Socket[bytes
 def test_a_frame_past_maxmsgsize_is_refused_and_the_subscriber_reconnects(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
-    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx, max_frame_bytes=1024) as (publisher, subscriber):
         publisher.publish(b"ok")  # 0
         drain(subscriber, 1)
         publisher.publish(b"y" * 1500)  # 1: received, counted oversized
-        drain(subscriber, 1, "bad_frame:oversized")
+        drain(subscriber, 1, lambda stats: stats.bad_frames[BadFrame.OVERSIZED])
         publisher.publish(b"z" * (1024 + MAXMSGSIZE_MARGIN + 1))  # 2: refused by ZMQ
-        drain(subscriber, 1, "disconnects")
+        drain(subscriber, 1, lambda stats: stats.disconnects)
         deadline = time.monotonic() + TIMEOUT
         items: list[Message | StreamReset] = []
-        while subscriber.stats["messages"] < 2:  # until the reconnected SUB gets one
-            assert time.monotonic() < deadline, dict(subscriber.stats)
+        while subscriber.stats.messages < 2:  # until the reconnected SUB gets one
+            assert time.monotonic() < deadline, subscriber.stats
             publisher.publish(b"ok")
             items.extend(subscriber.poll(50))
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
 
     # The stream goes on after the refused frame: the publisher is checked (without a replay
     # socket it is taken as the same), and the gap is counted lost.
     assert isinstance(items[0], StreamReset)
     assert isinstance(items[1], Message) and items[1].seq >= 3
-    assert stats == {
-        "messages": 2,
-        "bad_frame:oversized": 1,
-        "disconnects": 1,
-        "reconnect_checks": 1,
-        "gaps": 1,
-        "lost": items[1].seq - 1,
-    }
+    assert stats == SubscriberStats(
+        messages=2,
+        disconnects=1,
+        reconnect_checks=1,
+        gaps=1,
+        lost=items[1].seq - 1,
+        bad_frames=Counter({BadFrame.OVERSIZED: 1}),
+    )
 
 
 def test_a_drop_in_the_same_poll_as_its_sockets_messages(
@@ -153,9 +166,7 @@ def test_a_drop_in_the_same_poll_as_its_sockets_messages(
     """A batch queued on the SUB when ZMQ refuses the next frame: one poll finds the SUB and
     its monitor ready, and the SUB is replaced before its messages are read. The subscriber
     reads only sockets it still holds (the old one's queue is a gap of the new one)."""
-    publisher, source = engine(ctx)
-    with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx, max_frame_bytes=1024) as (publisher, subscriber):
         publisher.publish(b"ok")  # 0
         drain(subscriber, 1)
         for _ in range(50):
@@ -163,21 +174,17 @@ def test_a_drop_in_the_same_poll_as_its_sockets_messages(
         publisher.publish(b"z" * (1024 + MAXMSGSIZE_MARGIN + 1))  # 51: refused by ZMQ
         time.sleep(0.5)
         assert subscriber.poll(0) == []
-        assert dict(subscriber.stats) == {"messages": 1, "disconnects": 1}
+        assert subscriber.stats == SubscriberStats(messages=1, disconnects=1)
         deadline = time.monotonic() + TIMEOUT
-        while subscriber.stats["messages"] < 2:  # until the reconnected SUB gets one
-            assert time.monotonic() < deadline, dict(subscriber.stats)
+        while subscriber.stats.messages < 2:  # until the reconnected SUB gets one
+            assert time.monotonic() < deadline, subscriber.stats
             publisher.publish(b"ok")
             items = subscriber.poll(50)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
     assert isinstance(items[0], StreamReset) and isinstance(items[1], Message)
-    assert stats == {
-        "messages": 2,
-        "disconnects": 1,
-        "reconnect_checks": 1,
-        "gaps": 1,
-        "lost": items[1].seq - 1,
-    }
+    assert stats == SubscriberStats(
+        messages=2, disconnects=1, reconnect_checks=1, gaps=1, lost=items[1].seq - 1
+    )
 
 
 @pytest.mark.parametrize("same", [True, False], ids=["same publisher", "new process"])
@@ -208,19 +215,19 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
             first.publish(b"batch %d" % n)
         drain(subscriber, 5)
         first.close()
-        drain(subscriber, 1, "disconnects")
+        drain(subscriber, 1, lambda stats: stats.disconnects)
         second = publisher()
         for n in range(5):
             second.publish(b"batch %d" % n if same else b"other %d" % n, send=False)
         assert second.wait_for_subscribers(timeout=TIMEOUT)
         second.publish(b"batch 5")
-        items = drain(subscriber, 6, "messages" if same else "replayed")
-        stats = dict(subscriber.stats)
+        items = drain(subscriber, 6, messages if same else lambda stats: stats.replayed)
+        stats = deepcopy(subscriber.stats)
         second.close()
 
     if same:
         assert [(type(i), getattr(i, "seq", None)) for i in items] == [(Message, 5)]
-        assert stats == {"messages": 6, "disconnects": 1, "reconnect_checks": 1, "replays": 1}
+        assert stats == SubscriberStats(messages=6, disconnects=1, reconnect_checks=1, replays=1)
     else:
         reset, *batches = items
         assert reset == StreamReset(source, "restart")
@@ -228,15 +235,15 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
             *((n, b"other %d" % n) for n in range(5)),
             (5, b"batch 5"),
         ]
-        assert stats == {
-            "messages": 6,
-            "disconnects": 1,
-            "reconnect_checks": 1,
-            "replays": 2,
-            "restarts": 1,
-            "replayed": 6,
-            "duplicates": 1,
-        }
+        assert stats == SubscriberStats(
+            messages=6,
+            disconnects=1,
+            reconnect_checks=1,
+            replays=2,
+            restarts=1,
+            replayed=6,
+            duplicates=1,
+        )
 
 
 # --------------------------------------------------------------------------- 3. sequences
@@ -245,32 +252,30 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
 def test_a_jump_past_max_gap_is_bad_input_and_a_stream_that_moved_is_resynced(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
-    with publisher, Subscriber([source], context=ctx, max_gap=1000) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx, max_gap=1000) as (publisher, subscriber):
         for seq in (0, 1, 2**40, 2, 2**62, 2**62 + 1, 2**62 + 2):
             publisher.publish(b"x", seq=seq)
         items = drain(subscriber, 7)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
 
     shape = [(i.seq,) if isinstance(i, Message) else (i.reason, i.lost_batches) for i in items]
     assert shape == [(0,), (1,), (2,), ("restart", 0), (2**62 + 1,), (2**62 + 2,)]
-    assert stats == {"messages": 7, "bad_frame:seq_jump": 2, "resyncs": 1}
+    assert stats == SubscriberStats(
+        messages=7, resyncs=1, bad_frames=Counter({BadFrame.SEQ_JUMP: 2})
+    )
 
 
 def test_a_first_batch_far_past_zero_is_a_resync_not_a_loss(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
     first = time.time_ns() // 1000  # where a relay's output starts
-    with publisher, Subscriber([source], context=ctx) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx) as (publisher, subscriber):
         publisher.publish(b"x", seq=first)
         publisher.publish(b"x")
         items = drain(subscriber, 2)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
     assert [getattr(i, "seq", "reset") for i in items] == ["reset", first, first + 1]
-    assert stats == {"messages": 2, "resyncs": 1}
+    assert stats == SubscriberStats(messages=2, resyncs=1)
 
 
 @pytest.mark.parametrize("high", [2**64 - 2, 10_000], ids=["any-seq", "within-max-gap"])
@@ -278,32 +283,28 @@ def test_random_sequence_numbers_make_a_bounded_number_of_clears(
     ctx: zmq.Context[zmq.Socket[bytes]], high: int
 ) -> None:
     rng = random.Random(high)
-    publisher, source = engine(ctx)
     started = time.monotonic()
-    with publisher, Subscriber([source], context=ctx) as subscriber:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with subscribed(ctx) as (publisher, subscriber):
         for _ in range(5000):
             publisher.publish(b"x", seq=rng.randrange(0, high))
         items = drain(subscriber, 5000)
         subscriber.poll(50)
-        stats = Counter(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
     elapsed = time.monotonic() - started
 
     clears = sum(isinstance(item, StreamReset) for item in items)
     delivered = sum(isinstance(item, Message) for item in items)
-    print(f"\nrandom seqs < {high}: {clears} clears in {elapsed:.1f} s, {dict(stats)}")
+    print(f"\nrandom seqs < {high}: {clears} clears in {elapsed:.1f} s, {stats}")
     # At most clear_burst, then one a second (clear_interval), per source.
     assert clears <= DEFAULT_CLEAR_BURST + elapsed + 1
-    assert clears == stats["restarts"] + stats["resyncs"] + sum(
+    assert clears == stats.restarts + stats.resyncs + sum(
         isinstance(i, StreamReset) and i.reason == "lost" for i in items
     )
     # Every message is accounted for exactly once.
-    assert stats["messages"] == 5000
-    assert (
-        delivered + stats["duplicates"] + stats["bad_frame:seq_jump"] + stats["bad_frame:throttled"]
-        == 5000
-    )
-    assert stats["lost"] < 10_000 * 5000  # never 10**22
+    assert stats.messages == 5000
+    bad = stats.bad_frames
+    assert delivered + stats.duplicates + bad[BadFrame.SEQ_JUMP] + bad[BadFrame.THROTTLED] == 5000
+    assert stats.lost < 10_000 * 5000  # never 10**22
 
 
 # --------------------------------------------------------------------------- 4. logs
@@ -312,20 +313,14 @@ def test_random_sequence_numbers_make_a_bounded_number_of_clears(
 def test_100k_garbage_frames_write_a_bounded_number_of_short_lines(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    publisher, source = engine(ctx)
-    with (
-        structlog.testing.capture_logs() as lines,
-        publisher,
-        Subscriber([source], context=ctx) as subscriber,
-    ):
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with structlog.testing.capture_logs() as lines, subscribed(ctx) as (publisher, subscriber):
         for seq in range(100_000):
             publisher.send_frames([b"t", seq.to_bytes(8, "big")])  # two frames: frame_count
             if seq % 5000 == 0:
                 subscriber.poll(0)  # keep the SUB queue under its high-water mark
-        drain(subscriber, 100_000, "bad_frame:frame_count")
-        stats = dict(subscriber.stats)
+        drain(subscriber, 100_000, lambda stats: stats.bad_frames[BadFrame.FRAME_COUNT])
+        stats = deepcopy(subscriber.stats)
 
-    assert stats == {"bad_frame:frame_count": 100_000}
+    assert stats == SubscriberStats(bad_frames=Counter({BadFrame.FRAME_COUNT: 100_000}))
     assert len(lines) <= DEFAULT_BURST
     assert all(len(repr(line)) < 2048 for line in lines)

@@ -163,8 +163,8 @@ def test_relayed_replicas_route_by_their_cached_prefix(
             assert asyncio.run(choose(f"o{i}", OTHER[: BLOCK * 2])) == ("rb", 2)
         for replica in ("ra", "rb"):
             relay = hop.relay(replica)
-            assert relay is not None and relay.stats["batches_in"] >= 1
-        assert state.stats.registry["registered"] == 2
+            assert relay is not None and relay.stats.batches_in >= 1
+        assert state.stats.registry.registered == 2
     finally:
         hop.close()
         state.close()

@@ -10,6 +10,7 @@ import structlog
 from kvbridge.adapters.logs import DEFAULT_BURST, LogLimiter, cut
 from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.adapters.source import Message, Source
+from kvbridge.adapters.stream_stats import BadFrame
 
 
 class Clock:
@@ -57,7 +58,7 @@ def test_100k_garbage_frames_write_few_short_lines_and_count_all() -> None:
     finally:
         structlog.reset_defaults()
     lines = out.getvalue().splitlines()
-    assert pipeline.stats["bad_frame:schema"] == 100_000
+    assert pipeline.stats.bad_frames[BadFrame.SCHEMA] == 100_000
     assert len(lines) == DEFAULT_BURST
     assert max(len(line) for line in lines) < 2048
     assert all(json.loads(line)["event"] == "bad frame skipped" for line in lines)

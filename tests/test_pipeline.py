@@ -30,6 +30,7 @@ from kvbridge.adapters.pipeline import (
 )
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import BadFrame, PipelineStats
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.schemas import TieredEvent, decode_batch
@@ -170,7 +171,7 @@ def test_a_bad_frame_is_counted_logged_and_skipped_leaving_state_unchanged(
 
     after = (dump_rows(index), Counter(worker.normalizer.dropped), dict(worker.ranks), worker.lag)
     assert after == before
-    assert pipeline.stats == Counter({"batches_in": 2, "bad_frame:schema": 1})
+    assert pipeline.stats == PipelineStats(batches_in=2, bad_frames=Counter({BadFrame.SCHEMA: 1}))
     [entry] = [entry for entry in logs if entry["event"] == "bad frame skipped"]
     assert entry["stream"] == rig.sources[0].endpoint
     assert entry["seq"] == 1
@@ -273,7 +274,7 @@ def test_a_bad_first_frame_of_an_uncleared_source() -> None:
     assert recorder.seen == []
     assert pipeline.workers[1].uncleared == {source}
     assert pipeline.workers[1].ranks == {}
-    assert pipeline.stats["bad_frame:schema"] == 2
+    assert pipeline.stats.bad_frames[BadFrame.SCHEMA] == 2
 
     pipeline.feed(Message(source, 5, b"", encoded([store(A, hashes=[1])], dp_rank=2), 0))
     assert recorder.shapes() == [(1, [(1, 2, "cleared")] * CLEARS + [(1, 2, "stored")])]
@@ -337,7 +338,7 @@ def test_the_publisher_sink_republishes_canonical_payloads(
     try:
         assert publisher.wait_for_subscribers(timeout=TIMEOUT)
         source = Source("tcp://*:1", None, 7)
-        stats: Counter[str] = Counter()
+        stats = PipelineStats()
         sink: EventSink = PublisherSink(publisher, stats)
         pipeline = StreamPipeline(BS, stats=stats)
         pipeline.add_source(source, sink)
@@ -357,7 +358,7 @@ def test_the_publisher_sink_republishes_canonical_payloads(
         assert event.token_ids == A
         assert event.block_hashes != [engine_hash]  # the canonical hash, not the engine's
         assert not sub.poll(200)
-        assert stats == Counter({"batches_in": 2, "batches_out": 1})
+        assert stats == PipelineStats(batches_in=2, batches_out=1)
 
         # The sink builds no events: it only asks for payloads.
         canonical = pipeline.workers[7].normalizer.process(

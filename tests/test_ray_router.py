@@ -37,6 +37,7 @@ from kvbridge.ray_integration import (  # noqa: E402
     RoutingState,
     worker_id_for,
 )
+from kvbridge.ray_integration.decisions import Release  # noqa: E402
 from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
 from kvbridge.schemas import Overlap  # noqa: E402
 
@@ -256,9 +257,9 @@ def test_replica_death_moves_its_sessions(ray_cluster: None) -> None:
     print(
         f"\n{len(moved)} sessions moved off the killed replica {victim}, {restuck} stayed on "
         f"their new replica for the next turn; {stayed}/{len(kept)} others kept their replica; "
-        f"registry counters {dict(state.stats.registry)}"
+        f"registry counters {state.stats.registry}"
     )
-    assert state.stats.registry["deregistered"] >= 1
+    assert state.stats.registry.deregistered >= 1
     wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
     serve.delete("death")
 
@@ -286,7 +287,10 @@ def test_fallback_without_tokens_or_answer(ray_cluster: None) -> None:
     assert all(len(a["output"]) == 2 for a in answers)
     assert state.stats.fallbacks["timeout"] - before["timeout"] == 4
     assert state.stats.outcomes["fallback"] == sum(state.stats.fallbacks.values())
-    wait_until(lambda: state.stats.registry["late_freed"] == 4, what="late reservations freed")
+    wait_until(
+        lambda: state.stats.registry.releases[Release.LATE_FREED] == 4,
+        what="late reservations freed",
+    )
     assert state.client.active_reservations() == 0
 
     # Once Dynamo has time to answer again, requests go through Dynamo.

@@ -23,6 +23,7 @@ import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -148,6 +149,17 @@ def make_rig(stack: ExitStack, tmp_path: Path) -> Callable[..., Rig]:
 @pytest.fixture
 def harness(stack: ExitStack) -> SelectionHarness:
     return stack.enter_context(SelectionHarness())
+
+
+def one_worker(
+    make_rig: Callable[..., Rig], harness: SelectionHarness, **options: Any
+) -> tuple[Rig, Publisher]:
+    """A rig (made with ``options``) relaying worker 1, registered with ``harness`` and
+    connected both ways: the rig and the worker's source."""
+    rig = make_rig([1], **options)
+    rig.register(harness, 1)
+    rig.wait_connected()
+    return rig, rig.source(1)
 
 
 def blocks_samples(samples: Samples, name: str) -> dict[tuple[str, ...], float]:
@@ -360,10 +372,8 @@ def test_bad_frames_counted_and_relay_keeps_serving(
     assert watched.wait_for_subscribers(1, timeout=15)
     send_bad_frames(watched)
 
-    rig = make_rig([1], extra=["--max-frame-bytes", str(MAX_FRAME_BYTES)])
-    rig.register(harness, 1)
-    rig.wait_connected()
-    send_bad_frames(rig.source(1))
+    rig, source = one_worker(make_rig, harness, extra=["--max-frame-bytes", str(MAX_FRAME_BYTES)])
+    send_bad_frames(source)
 
     prompt = list(range(100, 108))
     assert harness.wait_for(lambda: harness.overlap(prompt) == {(1, 0): (2, 2, 2)})
@@ -402,10 +412,7 @@ def test_bad_frames_counted_and_relay_keeps_serving(
 def test_metrics_after_tiers_drops_gap_and_restart(
     make_rig: Callable[..., Rig], harness: SelectionHarness
 ) -> None:
-    rig = make_rig([1])
-    rig.register(harness, 1)
-    rig.wait_connected()
-    source = rig.source(1)
+    rig, source = one_worker(make_rig, harness)
     old = list(range(100, 112))
     new = list(range(200, 208))
 
@@ -483,10 +490,7 @@ def test_restart_after_a_replayed_gap_clears_the_worker(
     make_rig: Callable[..., Rig], harness: SelectionHarness
 ) -> None:
     """The other order of test 4's events: a gap replayed (seqs 1-2), then a restart."""
-    rig = make_rig([1])
-    rig.register(harness, 1)
-    rig.wait_connected()
-    source = rig.source(1)
+    rig, source = one_worker(make_rig, harness)
     old = list(range(100, 112))
     new = list(range(200, 204))
     source.publish(encoded([stored([1], old[:4])]))
@@ -522,10 +526,7 @@ def test_relay_restart_with_lost_batches_clears_dynamo(
     """The relay is restarted while the engine evicts a prefix, and the engine's replay buffer
     (2 batches) no longer reaches back to that eviction: the relay cannot know what was
     removed, so it must clear the worker in Dynamo rather than leave the prefix there."""
-    rig = make_rig([1], buffer_steps=2)
-    rig.register(harness, 1)
-    rig.wait_connected()
-    source = rig.source(1)
+    rig, source = one_worker(make_rig, harness, buffer_steps=2)
     old = list(range(100, 108))
     later = [list(range(200 + 100 * i, 204 + 100 * i)) for i in range(3)]
     assert source.publish(encoded([stored([1, 2], old)])) == 0
@@ -592,6 +593,6 @@ def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
         snapshot, *after = [batch[1:] for batch in replay(sources[1], 0)]
         assert snapshot == [[{"type": "AllBlocksCleared"}], 1], "a snapshot of output 1"
         assert all(batch == [[], 1] for batch in after), "heartbeats published since"
-        assert relay.output_stats["snapshots"] == 1
+        assert relay.output_stats.snapshots == 1
         live.close(linger=0)
     ctx.term()

@@ -24,6 +24,7 @@ from kvbridge import TieredIndex
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
+from kvbridge.adapters.stream_stats import SubscriberStats
 from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes
 
@@ -105,11 +106,11 @@ def test_one_relay_with_1000_sources() -> None:
                     socket.send_multipart(
                         [b"", seq.to_bytes(8, "big"), encoded(events, ts=TS0 + seq)]
                     )
-            while relay.stats["batches_in"] < 3 * SOURCES:
-                assert time.monotonic() < deadline, dict(relay.subscriber.stats)
+            while relay.stats.batches_in < 3 * SOURCES:
+                assert time.monotonic() < deadline, relay.subscriber.stats
                 relay.step(50)
             relayed = time.monotonic() - started
-            assert dict(relay.subscriber.stats) == {"messages": 3 * SOURCES}
+            assert relay.subscriber.stats == SubscriberStats(messages=3 * SOURCES)
 
             for i in range(SOURCES):
                 first, second = _prompts(i)

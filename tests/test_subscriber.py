@@ -21,6 +21,9 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
+from copy import deepcopy
+from typing import Any, NamedTuple
 
 import pytest
 import zmq
@@ -31,6 +34,7 @@ from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import TS0, encoded, removed, stored
@@ -43,13 +47,6 @@ TIMEOUT = 5.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def port_of(endpoint: str) -> int:
@@ -91,6 +88,29 @@ def spy(subscriber: Subscriber) -> list[Message | StreamReset]:
 
     subscriber.poll = recording_poll  # type: ignore[method-assign]
     return seen
+
+
+class Relayed(NamedTuple):
+    """What :func:`relayed` sets up."""
+
+    publisher: Publisher
+    source: Source
+    relay: Relay
+    index: TieredIndex
+    seen: list[Message | StreamReset]
+    """Everything the relay's subscriber handed out (:func:`spy`)."""
+
+
+@contextmanager
+def relayed(ctx: zmq.Context[zmq.Socket[bytes]], **options: Any) -> Iterator[Relayed]:
+    """An engine publisher (:func:`engine_publisher` with ``options``) and a relay with an
+    in-process index consuming it, once the publisher sees the subscription; closed on exit."""
+    publisher, source = engine_publisher(ctx, **options)
+    index = TieredIndex(BS)
+    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+        seen = spy(relay.subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        yield Relayed(publisher, source, relay, index, seen)
 
 
 def deliver(relay: Relay, source: Source, seq: int) -> None:
@@ -146,26 +166,29 @@ def test_dropped_batches_are_replayed_and_the_index_is_lossless(
     runs = runs_of(drops)
     assert (len(drops), runs) == (30, 26)  # the pattern has runs longer than one
 
-    publisher, source = engine_publisher(ctx, replay_topic_frame=replay_topic_frame)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx, replay_topic_frame=replay_topic_frame) as (
+        publisher,
+        source,
+        relay,
+        index,
+        _,
+    ):
         for seq, payload in enumerate(payloads):
             assert publisher.publish(payload, send=seq not in drops) == seq
             if seq not in drops:
                 deliver(relay, source, seq)
-        stats = dict(relay.subscriber.stats)
-        relay_stats = dict(relay.stats)
+        stats = deepcopy(relay.subscriber.stats)
+        relay_stats = deepcopy(relay.stats)
 
-    assert stats == {
-        "messages": N - len(drops),
-        "gaps": runs,
-        "replays": runs,
-        "replayed": len(drops) + runs,  # each replay also returns the live batch ...
-        "duplicates": runs,  # ... whose live copy is then skipped
-    }
-    assert relay.subscriber.stats["lost"] == 0
-    assert relay_stats == {"batches_in": N}
+    assert stats == SubscriberStats(
+        messages=N - len(drops),
+        gaps=runs,
+        replays=runs,
+        replayed=len(drops) + runs,  # each replay also returns the live batch ...
+        duplicates=runs,  # ... whose live copy is then skipped
+    )
+    assert relay.subscriber.stats.lost == 0
+    assert relay_stats == PipelineStats(batches_in=N)
 
     reference = index_of(payloads, worker_id=1, block_size=BS)
     assert_same_index(index, reference, stream.prompts)
@@ -197,11 +220,7 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
     payloads = [encoded(events, ts=TS0 + step) for step, events in enumerate(batches)]
     prompts = [a, b, c, d, e, f, g, h, c_child]
 
-    publisher, source = engine_publisher(ctx, buffer_steps=2)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx, buffer_steps=2) as (publisher, source, relay, index, seen):
         for seq in (0, 1):
             publisher.publish(payloads[seq])
             deliver(relay, source, seq)
@@ -215,7 +234,7 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
         for seq in (7, 8):
             publisher.publish(payloads[seq])
             deliver(relay, source, seq)
-        stats = dict(relay.subscriber.stats)
+        stats = deepcopy(relay.subscriber.stats)
 
     # Batches 2-5 aged out of the two-batch buffer; 6 and 7 came back through the replay.
     assert shape(seen) == [
@@ -226,14 +245,7 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
         (7, True),
         (8, False),
     ]
-    assert stats == {
-        "messages": 4,
-        "gaps": 1,
-        "replays": 1,
-        "replayed": 2,
-        "duplicates": 1,
-        "lost": 4,
-    }
+    assert stats == SubscriberStats(messages=4, gaps=1, replays=1, replayed=2, duplicates=1, lost=4)
     # Nothing stale: A, removed in lost batches, is gone, and so is everything else stored
     # before the loss, except what the engine showed it still holds: batch 7 stores C's child
     # under C's last block, so C is announced again with it. The index is the one the batches
@@ -256,23 +268,28 @@ def test_gap_longer_than_the_replay_buffer_clears_the_worker(
     ]
 
 
+def relay_after_unsent(
+    ctx: zmq.Context[zmq.Socket[bytes]], payloads: list[bytes], unsent: int, *, replay: bool
+) -> tuple[Source, list[Message | StreamReset], SubscriberStats, TieredIndex]:
+    """Publish the first ``unsent`` payloads without sending them (the subscriber's first
+    message is past 0), then the rest in lock step, into a relay with an index: the source,
+    what the relay's subscriber handed out, its stats and the index."""
+    with relayed(ctx, replay=replay) as (publisher, source, relay, index, seen):
+        for seq in range(unsent):
+            publisher.publish(payloads[seq], send=False)
+        for seq in range(unsent, len(payloads)):
+            publisher.publish(payloads[seq])
+            deliver(relay, source, seq)
+        return source, seen, deepcopy(relay.subscriber.stats), index
+
+
 def test_first_message_past_zero_replays_from_zero(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     stream = seeded_stream(11, 7, block_size=BS)
     payloads = stream.payloads
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        for seq in range(5):
-            publisher.publish(payloads[seq], send=False)
-        for seq in (5, 6):
-            publisher.publish(payloads[seq])
-            deliver(relay, source, seq)
-        stats = dict(relay.subscriber.stats)
+    _, seen, stats, index = relay_after_unsent(ctx, payloads, 5, replay=True)
 
     assert shape(seen) == [*((seq, True) for seq in range(6)), (6, False)]
-    assert stats == {"messages": 2, "replays": 1, "replayed": 6, "duplicates": 1}
+    assert stats == SubscriberStats(messages=2, replays=1, replayed=6, duplicates=1)
     assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), stream.prompts)
     assert any(overlaps(index, stream.prompts))
 
@@ -282,21 +299,11 @@ def test_first_message_past_zero_without_replay_is_a_loss(
 ) -> None:
     stream = seeded_stream(12, 5, block_size=BS)
     payloads = stream.payloads
-    publisher, source = engine_publisher(ctx, replay=False)
+    source, seen, stats, index = relay_after_unsent(ctx, payloads, 3, replay=False)
     assert source.replay_endpoint is None
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        for seq in range(3):
-            publisher.publish(payloads[seq], send=False)
-        for seq in (3, 4):
-            publisher.publish(payloads[seq])
-            deliver(relay, source, seq)
-        stats = dict(relay.subscriber.stats)
 
     assert shape(seen) == [("lost", 3), (3, False), (4, False)]
-    assert stats == {"messages": 2, "lost": 3}
+    assert stats == SubscriberStats(messages=2, lost=3)
     after_loss = index_of(payloads[3:], worker_id=1, block_size=BS)
     assert_same_index(index, after_loss, stream.prompts)
 
@@ -318,12 +325,12 @@ def test_replay_socket_that_never_answers_times_out_into_a_loss(
         waited = time.monotonic() - started
         publisher.publish(payloads[3])
         items += receive(subscriber, 1)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
 
     assert shape(items) == [("lost", 1), (2, False), (3, False)]
     assert items[0] == StreamReset(source, "lost", 1)
     assert [item.payload for item in items[1:] if isinstance(item, Message)] == payloads[2:]
-    assert stats == {"messages": 3, "gaps": 1, "replays": 1, "replay_timeouts": 1, "lost": 1}
+    assert stats == SubscriberStats(messages=3, gaps=1, replays=1, replay_timeouts=1, lost=1)
     assert waited >= 0.3
 
 
@@ -338,11 +345,7 @@ def test_restart_clears_the_worker_at_the_first_new_message(
     after = [
         encoded([stored(block_hashes(p, BS), p)], ts=TS0 + 10 + i) for i, p in enumerate((c, d))
     ]
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx) as (publisher, source, relay, index, seen):
         for payload in before:
             deliver(relay, source, publisher.publish(payload))
         assert overlaps(index, [a, b]) == [{(1, 0): (3, 3, 3)}] * 2
@@ -351,14 +354,14 @@ def test_restart_clears_the_worker_at_the_first_new_message(
         assert publisher.publish(after[0]) == 0
         deliver(relay, source, 0)
         # One message after the restart, the old blocks are gone and the new ones indexed.
-        assert relay.subscriber.stats["restarts"] == 1
+        assert relay.subscriber.stats.restarts == 1
         assert overlaps(index, [a, b, c]) == [{}, {}, {(1, 0): (3, 3, 3)}]
 
         deliver(relay, source, publisher.publish(after[1]))
-        stats = dict(relay.subscriber.stats)
+        stats = deepcopy(relay.subscriber.stats)
 
     assert shape(seen) == [(0, False), (1, False), ("restart", 0), (0, False), (1, False)]
-    assert stats == {"messages": 4, "restarts": 1}
+    assert stats == SubscriberStats(messages=4, restarts=1)
     assert_same_index(index, index_of(after, worker_id=1, block_size=BS), [a, b, c, d])
 
 
@@ -367,11 +370,7 @@ def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
 ) -> None:
     stream = seeded_stream(5, 5, block_size=BS)
     payloads = stream.payloads
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx) as (publisher, source, relay, index, seen):
         deliver(relay, source, publisher.publish(payloads[0]))
         # Batch 1 dropped, then 2-4 published before the relay looks: the replay that batch 2
         # triggers returns 1-4, so the live 2, 3 and 4 arrive after their replayed copies.
@@ -379,14 +378,14 @@ def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
         for payload in payloads[2:]:
             publisher.publish(payload)
         deadline = time.monotonic() + TIMEOUT
-        while relay.subscriber.stats["messages"] < 4:
+        while relay.subscriber.stats.messages < 4:
             assert time.monotonic() < deadline
             relay.step(20)
-        stats = dict(relay.subscriber.stats)
-        batches_in = relay.stats["batches_in"]
+        stats = deepcopy(relay.subscriber.stats)
+        batches_in = relay.stats.batches_in
 
     assert shape(seen) == [(0, False), *((seq, True) for seq in range(1, 5))]
-    assert stats == {"messages": 4, "gaps": 1, "replays": 1, "replayed": 4, "duplicates": 3}
+    assert stats == SubscriberStats(messages=4, gaps=1, replays=1, replayed=4, duplicates=3)
     assert batches_in == 5
     assert_same_index(index, index_of(payloads, worker_id=1, block_size=BS), stream.prompts)
 
@@ -397,11 +396,7 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
     payloads = [
         encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate((a, b, c, d))
     ]
-    publisher, source = engine_publisher(ctx)
-    index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+    with relayed(ctx) as (publisher, source, relay, index, seen):
         deliver(relay, source, publisher.publish(payloads[0]))
         publisher.publish(payloads[1], send=False)
         deliver(relay, source, publisher.publish(payloads[2]))  # replays 1 and 2
@@ -410,15 +405,15 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
         publisher.restart()
         assert publisher.publish(payloads[3]) == 0
         deadline = time.monotonic() + TIMEOUT
-        while relay.subscriber.stats["messages"] < 3:
+        while relay.subscriber.stats.messages < 3:
             assert time.monotonic() < deadline
             relay.step(20)
         relay.step(50)
-        stats = dict(relay.subscriber.stats)
+        stats = deepcopy(relay.subscriber.stats)
 
     assert shape(seen)[-2:] == [("restart", 0), (0, False)]
-    assert stats["restarts"] == 1
-    assert stats["duplicates"] == 1  # the live copy of batch 2 only
+    assert stats.restarts == 1
+    assert stats.duplicates == 1  # the live copy of batch 2 only
     assert overlaps(index, [a, b, c, d]) == [{}, {}, {}, {(1, 0): (3, 3, 3)}]
 
 
@@ -430,12 +425,12 @@ VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)
 @pytest.mark.parametrize(
     ("frames", "reason"),
     [
-        ([b"", (1).to_bytes(8, "big"), b"x" * 2048], "oversized"),
-        ([b"x" * 2048, (1).to_bytes(8, "big"), VALID], "oversized"),
-        ([b"t", b"x"], "frame_count"),
-        ([b"", (1).to_bytes(8, "big"), VALID, b"extra"], "frame_count"),
-        ([b"", (1).to_bytes(7, "big"), VALID], "bad_seq"),
-        ([b"", (1).to_bytes(9, "big"), VALID], "bad_seq"),
+        ([b"", (1).to_bytes(8, "big"), b"x" * 2048], BadFrame.OVERSIZED),
+        ([b"x" * 2048, (1).to_bytes(8, "big"), VALID], BadFrame.OVERSIZED),
+        ([b"t", b"x"], BadFrame.FRAME_COUNT),
+        ([b"", (1).to_bytes(8, "big"), VALID, b"extra"], BadFrame.FRAME_COUNT),
+        ([b"", (1).to_bytes(7, "big"), VALID], BadFrame.BAD_SEQ),
+        ([b"", (1).to_bytes(9, "big"), VALID], BadFrame.BAD_SEQ),
     ],
     ids=[
         "oversized-payload",
@@ -447,7 +442,7 @@ VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)
     ],
 )
 def test_bad_frame_is_counted_and_skipped(
-    ctx: zmq.Context[zmq.Socket[bytes]], frames: list[bytes], reason: str
+    ctx: zmq.Context[zmq.Socket[bytes]], frames: list[bytes], reason: BadFrame
 ) -> None:
     publisher, source = engine_publisher(ctx)
     with publisher, Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber:
@@ -457,13 +452,13 @@ def test_bad_frame_is_counted_and_skipped(
         publisher.publish(VALID)
         items = receive(subscriber, 2)
         subscriber.poll(50)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
 
     assert shape(items) == [(0, False), (1, False)]
     assert [item.frames for item in items if isinstance(item, Message)] == [
         [b"", (seq).to_bytes(8, "big"), VALID] for seq in (0, 1)
     ]
-    assert stats == {"messages": 2, f"bad_frame:{reason}": 1}
+    assert stats == SubscriberStats(messages=2, bad_frames=Counter({reason: 1}))
 
 
 def test_every_kind_of_bad_frame_in_one_stream(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
@@ -479,15 +474,13 @@ def test_every_kind_of_bad_frame_in_one_stream(ctx: zmq.Context[zmq.Socket[bytes
             publisher.send_frames(bad)
             publisher.publish(VALID)
         items = receive(subscriber, 4)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
 
     assert shape(items) == [(seq, False) for seq in range(4)]
-    assert stats == {
-        "messages": 4,
-        "bad_frame:oversized": 1,
-        "bad_frame:frame_count": 2,
-        "bad_frame:bad_seq": 1,
-    }
+    assert stats == SubscriberStats(
+        messages=4,
+        bad_frames=Counter({BadFrame.OVERSIZED: 1, BadFrame.FRAME_COUNT: 2, BadFrame.BAD_SEQ: 1}),
+    )
 
 
 # --------------------------------------------------------------------------- 4. bind / connect
@@ -508,10 +501,10 @@ def test_specific_host_makes_the_subscriber_bind(ctx: zmq.Context[zmq.Socket[byt
         publisher.publish(VALID)
         publisher.publish(VALID)
         items = receive(subscriber, 2)
-        stats = dict(subscriber.stats)
+        stats = deepcopy(subscriber.stats)
     assert shape(items) == [(0, False), (1, False)]
     assert all(isinstance(item, Message) and item.source == source for item in items)
-    assert stats == {"messages": 2}
+    assert stats == SubscriberStats(messages=2)
 
 
 def test_wildcard_host_makes_the_subscriber_connect_to_localhost(

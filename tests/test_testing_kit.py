@@ -562,7 +562,7 @@ def test_sync_hands_over_a_quiet_index(vllm_publisher, kv_index):
         vllm_publisher.generate(seq_range(start, 9))
     index = kv_index.sync(timeout=5)
     assert index is kv_index
-    assert index.relay.stats["batches_in"] == vllm_publisher.total_published == 20
+    assert index.relay.stats.batches_in == vllm_publisher.total_published == 20
 
 
 # --------------------------------------------------------------------------- the plugin

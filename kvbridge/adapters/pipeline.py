@@ -6,7 +6,8 @@ thing with a worker's stream, and it is easy to get subtly wrong when written se
 - each payload goes to its worker's :class:`~kvbridge.normalizers.Normalizer` (one per worker
   id, shared by all of that worker's sources, since a worker's dp ranks share one block space
   in Dynamo);
-- a payload that does not decode is counted (``bad_frame:schema``), logged with its stream and
+- a payload that does not decode is counted (:attr:`BadFrame.SCHEMA
+  <kvbridge.adapters.stream_stats.BadFrame.SCHEMA>`), logged with its stream and
   sequence number, and skipped, leaving every state as it was;
 - a reset of one source (:class:`~kvbridge.adapters.source.StreamReset`: the engine restarted or
   batches were lost for good) clears exactly the dp ranks that source delivered, and nothing
@@ -31,7 +32,6 @@ normalizer in the same result, so that it goes out in the same canonical payload
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -41,6 +41,7 @@ from kvbridge.adapters.capture import FrameRecord
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import BadFrame, PipelineStats
 from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.normalizers import Normalizer
 from kvbridge.normalizers.batch import NormalizedBatch
@@ -94,7 +95,7 @@ class PublisherSink:
 
     __slots__ = ("publisher", "stats")
 
-    def __init__(self, publisher: Publisher, stats: Counter[str] | None = None) -> None:
+    def __init__(self, publisher: Publisher, stats: PipelineStats | None = None) -> None:
         self.publisher = publisher
         self.stats = stats
 
@@ -102,7 +103,7 @@ class PublisherSink:
         for payload in batch.canonical_payloads(ts):
             self.publisher.publish(payload)
             if self.stats is not None:
-                self.stats["batches_out"] += 1
+                self.stats.batches_out += 1
 
 
 class WorkerState:
@@ -137,7 +138,8 @@ class StreamPipeline:
 
     ``sinks`` get the events of every source; :meth:`add_source` adds sinks of one source (a
     relay's per-source output). ``stats`` counts ``batches_in`` (every payload fed, good or
-    bad) and ``bad_frame:schema``; pass a counter to share it with the caller's own.
+    bad) and the payloads that do not decode; pass a :class:`PipelineStats` to share it with
+    the caller's own.
 
     Not thread-safe: feed it from one thread.
     """
@@ -147,13 +149,13 @@ class StreamPipeline:
         block_size: int,
         *,
         sinks: Iterable[EventSink] = (),
-        stats: Counter[str] | None = None,
+        stats: PipelineStats | None = None,
     ) -> None:
         self.block_size = block_size
         self.sinks: list[EventSink] = list(sinks)
         self.source_sinks: dict[Source, list[EventSink]] = {}
         self.workers: dict[int, WorkerState] = {}
-        self.stats: Counter[str] = Counter() if stats is None else stats
+        self.stats = PipelineStats() if stats is None else stats
         self._warn = LogLimiter(log.warning)
         """Per-frame warnings, limited per stream and reason (the stats count every frame)."""
 
@@ -202,19 +204,19 @@ class StreamPipeline:
 
         ``seq`` becomes the Dynamo ``event_id`` of its events (``None``: the normalizer counts).
         """
-        self.stats["batches_in"] += 1
+        self.stats.batches_in += 1
         worker = self.worker(source.worker_id)
         uncleared = source in worker.uncleared
         try:
             normalized = worker.normalizer.process(batch, seq, reset_first=uncleared)
         except SchemaError as error:
-            self.stats["bad_frame:schema"] += 1
+            self.stats.bad_frames[BadFrame.SCHEMA] += 1
             self._warn(
                 "bad frame skipped",
-                (source.endpoint, "schema"),
+                (source.endpoint, BadFrame.SCHEMA),
                 stream=source.endpoint,
                 seq=seq,
-                reason="schema",
+                reason=BadFrame.SCHEMA.value,
                 error=str(error),
             )
             return

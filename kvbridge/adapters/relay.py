@@ -50,7 +50,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -62,6 +61,7 @@ import zmq
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, ReplayServer
 from kvbridge.adapters.source import Source
+from kvbridge.adapters.stream_stats import OutputStats, PipelineStats
 from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES, Subscriber
 from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.normalizers.batch import NormalizedBatch
@@ -169,17 +169,17 @@ class Relay:
             max_frame_bytes=max_frame_bytes,
             replay_on_start=replay_on_start,
         )
-        self.stats: Counter[str] = Counter()
-        """``batches_in``, ``batches_out`` and ``bad_frame:schema``."""
+        self.stats = PipelineStats()
+        """Batches in and out and the payloads that do not decode (shared with the
+        pipeline)."""
         self.heartbeat_s = heartbeat_s
         self._snapshots: queue.SimpleQueue[
             tuple[Source, Future[tuple[int, list[bytes]] | None]]
         ] = queue.SimpleQueue()
         self._beat_check = 0.0
         """When :meth:`_heartbeat` next looks at the outputs (monotonic)."""
-        self.output_stats: Counter[str] = Counter(opened=0, heartbeats=0, snapshots=0)
-        """Summed over the outputs: ``opened`` (the opening clears), ``heartbeats`` and
-        ``snapshots`` (replay requests older than the buffer, answered with one)."""
+        self.output_stats = OutputStats()
+        """The batches the outputs made themselves: opening clears, heartbeats, snapshots."""
         self.pipeline = StreamPipeline(
             block_size, sinks=[IndexSink(index)] if index is not None else (), stats=self.stats
         )
@@ -209,7 +209,7 @@ class Relay:
             self.pipeline.add_source(source, _HeldSink(publisher, self._held))
             (rank,) = self.pipeline.source_ranks(source)
             publisher.publish(_opening_clear(time.time(), rank))
-            self.output_stats["opened"] += 1
+            self.output_stats.opened += 1
             if publish_replay:
                 publisher.snapshot = self._snapshot_provider(source)
         replaying = [p for p in self.outputs.values() if p.replay_endpoint is not None]
@@ -271,7 +271,7 @@ class Relay:
                 for batch in self.pipeline.snapshot(source)
                 for payload in batch.canonical_payloads(now)
             ]
-            self.output_stats["snapshots"] += 1
+            self.output_stats.snapshots += 1
             future.set_result((self.outputs[source].next_seq, payloads))
 
     def _heartbeat(self, interval: float) -> None:
@@ -285,7 +285,7 @@ class Relay:
                 continue
             rank = self.pipeline.source_ranks(source)[-1]
             publisher.publish(msgspec.msgpack.encode((time.time(), [], rank)))
-            self.output_stats["heartbeats"] += 1
+            self.output_stats.heartbeats += 1
 
     def _publish_held(self) -> None:
         held = self._held
@@ -295,7 +295,7 @@ class Relay:
         try:
             for publisher, payload in held:
                 publisher.publish(payload)
-                stats["batches_out"] += 1
+                stats.batches_out += 1
         finally:
             held.clear()
 

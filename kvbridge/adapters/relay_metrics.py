@@ -7,9 +7,17 @@ counters into metric families when Prometheus scrapes, so the hot path pays noth
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.adapters.stream_stats import (
+    BadFrame,
+    OutputStats,
+    PipelineStats,
+    SubscriberStats,
+    exported,
+)
 from kvbridge.schemas.tiers import Tier
 
 if TYPE_CHECKING:
@@ -108,42 +116,29 @@ class _Collector:
                     count = normalizer.resident_blocks(rank, tier)
                     resident.add_metric([name, str(rank), tier.value], count)
         yield from (blocks, clears, unknown, evictions, reanchored, tracked, lag, resident)
-        batches = _counter("kvbridge_batches_total", ["direction"])
-        batches.add_metric(["in"], relay.stats["batches_in"])
-        batches.add_metric(["out"], relay.stats["batches_out"])
-        yield batches
-        made = _counter("kvbridge_output_batches_total", ["kind"])
-        for kind, key in (
-            ("opening", "opened"),
-            ("heartbeat", "heartbeats"),
-            ("snapshot", "snapshots"),
-        ):
-            made.add_metric([kind], relay.output_stats[key])
-        yield made
+        yield from _families(relay.stats, relay.output_stats)
 
     def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:
-        own = self.relay.stats if self.relay is not None else {}
+        own: Counter[BadFrame] = self.relay.stats.bad_frames if self.relay else Counter()
         bad = _counter("kvbridge_bad_frames_total", ["reason"])
-        for key, count in (*own.items(), *subscriber.stats.items()):
-            if key.startswith("bad_frame:"):
-                bad.add_metric([key.removeprefix("bad_frame:")], count)
+        for reason, count in (*own.items(), *subscriber.stats.bad_frames.items()):
+            bad.add_metric([reason.value], count)
         yield bad
-        for name, key in (
-            ("kvbridge_gaps_total", "gaps"),
-            ("kvbridge_replays_total", "replays"),
-            ("kvbridge_replayed_batches_total", "replayed"),
-            ("kvbridge_lost_batches_total", "lost"),
-            ("kvbridge_restarts_total", "restarts"),
-            ("kvbridge_duplicate_batches_total", "duplicates"),
-            ("kvbridge_resyncs_total", "resyncs"),
-            ("kvbridge_disconnects_total", "disconnects"),
-            ("kvbridge_reconnect_checks_total", "reconnect_checks"),
-            ("kvbridge_replay_timeouts_total", "replay_timeouts"),
-            ("kvbridge_replay_truncated_total", "replay_truncated"),
-        ):
-            family = _counter(name, [])
-            family.add_metric([], subscriber.stats[key])
-            yield family
+        yield from _families(subscriber.stats)
+
+
+def _families(*stats: SubscriberStats | PipelineStats | OutputStats) -> list[Any]:
+    """A counter family per metric the fields of ``stats`` declare, a sample per field (see
+    :mod:`~kvbridge.adapters.stream_stats`), in field order."""
+    families: dict[str, Any] = {}
+    for counts in stats:
+        for how, count in exported(counts):
+            family = families.get(how.metric)
+            if family is None:
+                labels = [] if how.label is None else [how.label[0]]
+                family = families[how.metric] = _counter(how.metric, labels)
+            family.add_metric([] if how.label is None else [how.label[1]], count)
+    return list(families.values())
 
 
 def _counter(name: str, labels: list[str]) -> Any:

@@ -1,8 +1,8 @@
 """vLLM's replay protocol, both sides of it: the frames of a request and of its answer.
 
 The publisher's ROUTER (:class:`~kvbridge.adapters.publisher.Publisher`) and the subscriber's
-DEALER (:class:`~kvbridge.adapters.subscriber.Subscriber`) speak it with each other, and with vLLM
-engines and Dynamo's listener, so the layouts are written once, here.
+DEALER (:class:`~kvbridge.adapters.replay_client.ReplayClient`) speak it with each other, and
+with vLLM engines and Dynamo's listener, so the layouts are written once, here.
 
 A request is ``[b"", start_seq8]`` from a DEALER, which the ROUTER receives as
 ``[identity, b"", start_seq8]``. The answer is one message per batch from ``start_seq`` on, then

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
+from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.adapters.tiered_index import TieredIndex
 
 __all__ = ["run_demo"]
@@ -30,7 +31,7 @@ def run_demo(args: argparse.Namespace) -> int:
     pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
     for record in reader:
         pipeline.feed_record(record)  # a bad frame is logged, counted and skipped
-    messages, bad = pipeline.stats["batches_in"], pipeline.stats["bad_frame:schema"]
+    messages, bad = pipeline.stats.batches_in, pipeline.stats.bad_frames[BadFrame.SCHEMA]
     print(f"{path.name}: {messages} messages, {bad} bad, block size {block_size}")
     for worker_id, worker in sorted(pipeline.workers.items()):
         normalizer = worker.normalizer

@@ -209,22 +209,19 @@ class WatchView:
         """The subscriber's totals, the bad frames and the blocks not forwarded, by reason."""
         subscriber = self.relay.subscriber.stats
         bad = {
-            key.removeprefix("bad_frame:"): count
-            for key, count in (*self.relay.stats.items(), *subscriber.items())
-            if key.startswith("bad_frame:")
+            reason.value: count
+            for reason, count in (
+                *self.relay.stats.bad_frames.items(),
+                *subscriber.bad_frames.items(),
+            )
         }
         drops: Counter[str] = Counter()
         for worker in self.relay.workers.values():
             drops.update(worker.normalizer.stats)
         return [
-            "batches {} | gaps {} | replays {} (recovered {}) | lost {} | restarts {}".format(
-                self.relay.stats["batches_in"],
-                subscriber["gaps"],
-                subscriber["replays"],
-                subscriber["replayed"],
-                subscriber["lost"],
-                subscriber["restarts"],
-            ),
+            f"batches {self.relay.stats.batches_in} | gaps {subscriber.gaps}"
+            f" | replays {subscriber.replays} (recovered {subscriber.replayed})"
+            f" | lost {subscriber.lost} | restarts {subscriber.restarts}",
             "bad frames: " + _counts(bad),
             "not forwarded: " + _counts(drops),
         ]

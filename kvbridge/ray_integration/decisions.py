@@ -2,18 +2,20 @@
 
 :class:`Choice` is Dynamo's answer for one request, :class:`Decision` its record,
 :class:`NoChoice` the reason there is none (the fallback's label), and :class:`RouterStats`
-the figures a router keeps in its process (the same go to Ray's metrics).
+the figures a router keeps in its process (the same go to Ray's metrics), with
+:class:`RegistryStats` for what happened to replicas and reservations.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Final
 
 from kvbridge.schemas import Overlap
 
-__all__ = ["Choice", "Decision", "NoChoice", "RouterStats"]
+__all__ = ["Choice", "Decision", "NoChoice", "RegistryStats", "Rejection", "Release", "RouterStats"]
 
 DECISION_LOG: Final = 10_000
 """Decisions :attr:`RouterStats.decisions` keeps, the newest."""
@@ -55,6 +57,44 @@ class Decision:
     latency_s: float
 
 
+class Rejection(StrEnum):
+    """Why a replica's advert was not registered with Dynamo."""
+
+    INVALID_ADVERT = "invalid_advert"
+    """The routing stats hold an advert that does not validate."""
+    BLOCK_SIZE = "block_size"
+    """The replica's block size is not the router's."""
+
+
+class Release(StrEnum):
+    """Why a reservation was freed."""
+
+    FREED = "freed"
+    """Its request completed."""
+    LATE_FREED = "late_freed"
+    """Its selection answered after the decision's timeout: nobody uses it."""
+    MOVED = "moved"
+    """Serve placed the request on another replica than Dynamo's pick; it was booked there."""
+    EXPIRED = "expired"
+    """No completion arrived within the reservation's time to live."""
+
+
+@dataclass
+class RegistryStats:
+    """What the router's registry and reservations did with replicas and reservations."""
+
+    registered: int = 0
+    deregistered: int = 0
+    rejected: Counter[Rejection] = field(default_factory=Counter)
+    """Adverts refused, by reason (counted once per replica and reason in a row)."""
+    releases: Counter[Release] = field(default_factory=Counter)
+    """Reservations freed, by why."""
+    free_failed: int = 0
+    """Frees the service failed or that were cancelled."""
+    tokenize_failed: int = 0
+    """Prompts the LLM router could not tokenize (routed without Dynamo's overlap)."""
+
+
 @dataclass
 class RouterStats:
     """What the router did, in this process (the same figures go to Ray's metrics)."""
@@ -65,9 +105,8 @@ class RouterStats:
     """By reason: ``no_tokens``, ``no_workers``, ``timeout``, ``service_error``."""
     overlap_blocks: Counter[str] = field(default_factory=Counter)
     """Sum of the picked workers' overlap by tier: ``device``, ``host_pinned``, ``disk``."""
-    registry: Counter[str] = field(default_factory=Counter)
-    """``registered``, ``deregistered``, ``rejected:<why>``, ``freed``, ``late_freed`` (after a
-    timeout), ``moved`` (to the replica Serve used), ``expired``, ``free_failed``."""
+    registry: RegistryStats = field(default_factory=RegistryStats)
+    """Replicas registered, deregistered and rejected; reservations freed, by why."""
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISION_LOG))
     token_checks: Counter[str] = field(default_factory=Counter)
     """After each completed request, whether the engine reported storing the prompt the router

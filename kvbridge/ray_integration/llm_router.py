@@ -312,7 +312,7 @@ def _make_router_class() -> type[DynamoKVRouter]:
                     tokens = await asyncio.wrap_future(self._vllm_tokenizer.submit(body))
                 except Exception as error:
                     tokens = None
-                    self._routing.stats.registry["tokenize_failed"] += 1
+                    self._routing.stats.registry.tokenize_failed += 1
                     structlog.get_logger("kvbridge.ray.llm_router").warning(
                         "tokenizing failed", error=str(error)
                     )

@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import threading
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import structlog
 
 from kvbridge.adapters.selection_client import SelectionClient, SelectionServiceError
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
+from kvbridge.ray_integration.decisions import RegistryStats, Rejection
 
 __all__ = ["Worker", "WorkerRegistry", "worker_id_for"]
 
@@ -52,7 +52,7 @@ class WorkerRegistry:
 
     Args:
         client: the deployment's selection service.
-        counts: where ``registered``, ``deregistered`` and ``rejected:<why>`` are counted (the
+        counts: where registrations, deregistrations and rejections are counted (the
             router's :attr:`~kvbridge.ray_integration.decisions.RouterStats.registry`).
         block_size: the engines' block size; ``None`` pins the first advert's.
         model_name: Dynamo's model name for the deployment.
@@ -61,7 +61,7 @@ class WorkerRegistry:
     def __init__(
         self,
         client: SelectionClient,
-        counts: Counter[str],
+        counts: RegistryStats,
         *,
         block_size: int | None,
         model_name: str,
@@ -72,7 +72,7 @@ class WorkerRegistry:
         self.model_name = model_name
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
-        self._rejected: dict[str, str] = {}
+        self._rejected: dict[str, Rejection] = {}
         self._seen_stats: dict[str, Mapping[str, Any]] = {}
         self._registry_lock: asyncio.Lock | None = None
         self._version = 0
@@ -153,7 +153,7 @@ class WorkerRegistry:
         try:
             advert = read_advert(stats)
         except ValueError as error:
-            self._reject(replica_id, "invalid_advert", str(error))
+            self._reject(replica_id, Rejection.INVALID_ADVERT, str(error))
             return None
         if advert is None:
             return None
@@ -162,19 +162,21 @@ class WorkerRegistry:
         if advert.block_size != self.block_size:
             self._reject(
                 replica_id,
-                "block_size",
+                Rejection.BLOCK_SIZE,
                 f"replica block size {advert.block_size}, router {self.block_size}",
             )
             return None
         self._rejected.pop(replica_id, None)
         return advert
 
-    def _reject(self, replica_id: str, reason: str, detail: str) -> None:
+    def _reject(self, replica_id: str, reason: Rejection, detail: str) -> None:
         if self._rejected.get(replica_id) == reason:
             return
         self._rejected[replica_id] = reason
-        self.counts[f"rejected:{reason}"] += 1
-        log.warning("replica not registered", replica=replica_id, reason=reason, detail=detail)
+        self.counts.rejected[reason] += 1
+        log.warning(
+            "replica not registered", replica=replica_id, reason=reason.value, detail=detail
+        )
 
     async def _apply_registry(self, upserts: list[Worker], deletes: list[Worker]) -> None:
         if self._registry_lock is None:
@@ -185,14 +187,14 @@ class WorkerRegistry:
                     await self.client.service.delete_worker(worker.worker_id)
                 except SelectionServiceError as error:
                     log.warning("delete_worker failed", replica=worker.replica_id, error=str(error))
-                self.counts["deregistered"] += 1
+                self.counts.deregistered += 1
                 log.info("replica deregistered", replica=worker.replica_id)
             for worker in upserts:
                 record = await self.client.service.upsert_worker(self._worker_record(worker))
                 with self._lock:
                     worker.ready = self._workers.get(worker.replica_id) is worker
                     self._version += 1
-                self.counts["registered"] += 1
+                self.counts.registered += 1
                 log.info(
                     "replica registered",
                     replica=worker.replica_id,

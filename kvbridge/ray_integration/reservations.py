@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from kvbridge.adapters.selection_client import SelectionClient
-from kvbridge.ray_integration.decisions import Choice
+from kvbridge.ray_integration.decisions import Choice, RegistryStats, Release
 from kvbridge.schemas import Overlap
 
 __all__ = ["Reservation", "Reservations"]
@@ -47,8 +47,8 @@ class Reservations:
 
     Args:
         client: the deployment's selection service.
-        counts: where ``freed``, ``late_freed``, ``moved``, ``expired`` and ``free_failed``
-            are counted (the router's registry counter).
+        counts: where the frees (by :class:`~kvbridge.ray_integration.decisions.Release`)
+            and failed frees are counted (the router's registry stats).
         ttl_s: a reservation whose completion never arrives is freed after this.
         model_name: Dynamo's model name for the deployment.
         token_check: called with ``(prompt, worker_id)`` on the service's loop, ``delay_s``
@@ -59,7 +59,7 @@ class Reservations:
     def __init__(
         self,
         client: SelectionClient,
-        counts: Counter[str],
+        counts: RegistryStats,
         *,
         ttl_s: float,
         model_name: str,
@@ -109,7 +109,7 @@ class Reservations:
             selection_id = self.selection_id(request_id)
             moved = Choice(selection_id, worker_id, dp_rank, held.choice.ranking, Overlap(0, 0, 0))
             self._held[request_id] = Reservation(moved, held.created, held.prompt)
-        self.free(held.choice.selection_id, "moved")
+        self.free(held.choice.selection_id, Release.MOVED)
         request: dict[str, Any] = {
             "selection_id": selection_id,
             "model_name": self.model_name,
@@ -127,7 +127,7 @@ class Reservations:
             held = self._held.pop(request_id, None)
         if held is None:
             return
-        self.free(held.choice.selection_id, "freed")
+        self.free(held.choice.selection_id, Release.FREED)
         if self._token_check is not None and held.prompt["block_hashes"]:
             self._check_later(held)
 
@@ -166,23 +166,23 @@ class Reservations:
                 del self._held[request_id]
                 expired.append(held.choice.selection_id)
         for selection_id in expired:
-            self.free(selection_id, "expired")
+            self.free(selection_id, Release.EXPIRED)
 
     def free_late(self, future: asyncio.Future[Choice]) -> None:
         """A selection that answered after its timeout reserved load nobody will use: free it."""
         if future.cancelled() or future.exception() is not None:
             return
-        self.free(future.result().selection_id, "late_freed")
+        self.free(future.result().selection_id, Release.LATE_FREED)
 
-    def free(self, selection_id: str, outcome: str) -> None:
+    def free(self, selection_id: str, outcome: Release) -> None:
         def done(future: concurrent.futures.Future[Any]) -> None:
             with self._lock:
                 self._freeing.discard(future)
             if future.cancelled() or future.exception() is not None:
-                self.counts["free_failed"] += 1
+                self.counts.free_failed += 1
                 log.warning("free_reservation failed", selection_id=selection_id)
             else:
-                self.counts[outcome] += 1
+                self.counts.releases[outcome] += 1
 
         future = self.client.submit("free_reservation", selection_id)
         with self._lock:

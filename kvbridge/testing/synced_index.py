@@ -113,7 +113,7 @@ class SyncedIndex(TieredIndex):
                 return
             with self._cond:
                 self._busy = False
-                self._processed = self._relay.stats["batches_in"]
+                self._processed = self._relay.stats.batches_in
                 self._cond.notify_all()
 
     def sync(self, timeout: float | None = None) -> Self:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.source import Source
+from kvbridge.adapters.stream_stats import BadFrame
 
 __all__ = ["dump_rows", "index_of", "overlaps"]
 
@@ -26,7 +27,7 @@ def index_of(payloads: Iterable[bytes], *, worker_id: int, block_size: int) -> T
     source = Source(f"reference:{worker_id}", worker_id=worker_id)
     for seq, payload in enumerate(payloads):
         pipeline.feed_batch(source, payload, seq)
-        assert not pipeline.stats["bad_frame:schema"], f"payload {seq} does not decode"
+        assert not pipeline.stats.bad_frames[BadFrame.SCHEMA], f"payload {seq} does not decode"
     return index
 
 

@@ -337,6 +337,15 @@ def placeholder_requests() -> tuple[list[list[Request]], dict[str, Request]]:
     return batches, after
 
 
+def _plain(stats: Any) -> dict[str, Any]:
+    """A stats dataclass's fields as JSON-ready values (``dataclasses.asdict`` would rebuild a
+    ``Counter`` from its items, counting the pairs)."""
+    return {
+        name: dict(value) if isinstance(value, dict) else value
+        for name, value in vars(stats).items()
+    }
+
+
 def _relay_stats(hop: Any) -> dict[str, dict[str, Any]]:
     """Each relay's counts, and its normalizers' drops (for instance ``unresolved_placeholder``:
     a CPU placeholder whose hash the relay never saw on the GPU)."""
@@ -350,7 +359,7 @@ def _relay_stats(hop: Any) -> dict[str, dict[str, Any]]:
         drops: Counter[str] = Counter()
         for state in relay.workers.values():
             drops.update(state.normalizer.stats)
-        out[replica] = {**dict(relay.stats), "drops": dict(drops)}
+        out[replica] = {**_plain(relay.stats), "drops": dict(drops)}
     return out
 
 
@@ -367,7 +376,7 @@ def _router_stats(actor: Any) -> dict[str, Any]:
             "outcomes": dict(stats.outcomes),
             "fallbacks": dict(stats.fallbacks),
             "overlap_blocks": dict(stats.overlap_blocks),
-            "registry": dict(stats.registry),
+            "registry": _plain(stats.registry),
             "decisions": [
                 {
                     "replica": d.replica_id,

@@ -24,6 +24,7 @@ from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Source
+from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.normalizers.hashing import engine_hash_u64
 from kvbridge.schemas.vllm import AllBlocksCleared, BlockStored, Event
 from kvbridge.testing.events import TS0, encoded, placeholder, removed, stored
@@ -167,7 +168,7 @@ class WorkerStream:
         payload = encoded(events, dp_rank=rank, ts=TS0 + seq, release=self.releases[rank])
         assert pub.publish(payload) == seq
         self.pipeline.feed_batch(self.sources[rank], payload, seq)
-        assert not self.pipeline.stats["bad_frame:schema"], f"batch {seq} does not decode"
+        assert not self.pipeline.stats.bad_frames[BadFrame.SCHEMA], f"batch {seq} does not decode"
         return seq
 
     def clear(self, rank: int = 0) -> int:

@@ -1,0 +1,190 @@
+"""The subscriber's side of vLLM's replay protocol: asking a source's replay socket for the
+batches a stream missed, within bounds, and turning what cannot be had into resets.
+
+One DEALER per source, opened on its first replay, speaks both reply layouts (without a topic
+frame before vLLM 0.26, with one after; :mod:`~kvbridge.adapters.replay_protocol` has the
+frames). Its three uses:
+
+- **recovery** (:meth:`ReplayClient.recover`): a gap, or the start of a stream, is filled from
+  the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout) is
+  counted ``lost`` and a :class:`~kvbridge.adapters.source.StreamReset` goes out at the point
+  of the loss, since a lost removal would leave a stale block downstream;
+- **the publisher check** after a reconnect (:meth:`ReplayClient.check_publisher`): the batch
+  delivered last, replayed, must be the same bytes, or the publisher is a new process;
+- **bounds** on one answer: at most ``max_messages`` batches and ``max_bytes`` of payload are
+  read [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is
+  discarded (``replay_truncated``, the DEALER closed so that its tail is not read as the next
+  answer) and what it held counts as lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import KW_ONLY, dataclass
+from typing import Final
+
+import zmq
+
+from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
+from kvbridge.adapters.source import Message, StreamReset, connect_address
+from kvbridge.adapters.stream_state import StreamState, skip_bad_frame
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
+
+__all__ = ["DEFAULT_REPLAY_MAX_BYTES", "DEFAULT_REPLAY_MAX_MESSAGES", "ReplayClient"]
+
+DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
+DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class ReplayClient:
+    """Replays for the streams of one subscriber, counted in the subscriber's stats.
+
+    ``max_frame_bytes``, ``maxmsgsize`` and ``rcvhwm`` are the subscriber's own, so that a
+    replayed batch meets the bounds of a live one; ``max_gap`` tells a loss from a resync.
+    """
+
+    context: zmq.Context[zmq.Socket[bytes]]
+    stats: SubscriberStats
+    warn: LogLimiter
+    """The subscriber's limiter: one budget of lines per stream and event, whoever logs."""
+    _: KW_ONLY
+    timeout: float
+    """Seconds one answer may take, to its end marker."""
+    max_messages: int
+    max_bytes: int
+    max_frame_bytes: int
+    maxmsgsize: int
+    rcvhwm: int
+    max_gap: int
+
+    def check_publisher(self, stream: StreamState, last: int) -> list[Message] | None:
+        """After a reconnect: the replay from ``last`` if its first batch is the one delivered
+        as ``last`` (the same publisher, so the replay fills what the drop cost), else ``None``
+        (a new process, or one that cannot show it is not). Without a replay endpoint the
+        publisher is taken as the same: a gap then counts as lost and clears downstream."""
+        self.stats.reconnect_checks += 1
+        if not stream.source.replay_endpoint:
+            return []
+        answer = self.fetch(stream, last)
+        if answer and answer[0].seq == last and answer[0].payload == stream.last_payload:
+            return answer
+        endpoint = stream.source.endpoint
+        self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last)
+        return None
+
+    def recover(
+        self,
+        stream: StreamState,
+        start: int,
+        live_seq: int | None,
+        replayed: list[Message] | None = None,
+    ) -> list[Message | StreamReset]:
+        """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
+        replay socket, unless ``replayed`` is an answer already fetched from ``start`` or
+        before. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at the point
+        of the loss, in stream order.
+
+        A loss of more than ``max_gap`` batches (from the start of a stream whose first batch is
+        far past 0, as a relay's are, or a replay answering with such a batch) is a resync, with
+        nothing counted lost. A loss that finds no clear token suspends the stream and ends the
+        recovery there (the live message that led here counts the skip)."""
+        if replayed is None:
+            replayed = self.fetch(stream, start) if stream.source.replay_endpoint else []
+        out: list[Message | StreamReset] = []
+        expected = start
+        endpoint = stream.source.endpoint
+        for message in [*replayed, None]:
+            if message is None and live_seq is None:
+                break
+            seq = live_seq if message is None else message.seq
+            assert seq is not None
+            if seq < expected:
+                continue  # already delivered
+            if seq > expected:
+                if not stream.may_clear():
+                    stream.suspend(self.warn)
+                    return out
+                lost = seq - expected
+                if lost > self.max_gap:
+                    self.stats.resyncs += 1
+                    self.warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+                    out.append(stream.reset("restart"))
+                else:
+                    self.stats.lost += lost
+                    self.warn(
+                        "batches lost", (endpoint,), stream=endpoint, first=expected, count=lost
+                    )
+                    out.append(stream.reset("lost", lost))
+            if message is None:
+                break
+            expected = seq + 1
+            stream.last = seq
+            stream.last_payload = message.payload
+            stream.replayed_through = max(stream.replayed_through, seq)
+            self.stats.replayed += 1
+            out.append(message)
+        return out
+
+    def fetch(self, stream: StreamState, start: int) -> list[Message]:
+        """Ask the replay socket for every batch from ``start``; both vLLM reply layouts.
+
+        Reads at most ``max_messages`` batches and ``max_bytes`` of payload; past that the
+        answer is abandoned (its DEALER closed), and what it held counts as lost."""
+        self.stats.replays += 1
+        source = stream.source
+        assert source.replay_endpoint is not None
+        if stream.dealer is None:
+            stream.dealer = self.context.socket(zmq.DEALER)
+            stream.dealer.setsockopt(zmq.LINGER, 0)
+            stream.dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            stream.dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
+            stream.dealer.connect(connect_address(source.replay_endpoint))
+        dealer = stream.dealer
+        dealer.send_multipart(request_frames(start))
+        messages: list[Message] = []
+        size = 0
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
+                self.warn(
+                    "replay timed out",
+                    (source.replay_endpoint,),
+                    stream=source.replay_endpoint,
+                    start=start,
+                )
+                self.stats.replay_timeouts += 1
+                dealer.close(0)  # late replies must not be read as the next replay's
+                stream.dealer = None
+                break
+            answer = parse_answer(dealer.recv_multipart(), source.topic.encode())
+            if answer is None:
+                skip_bad_frame(self.stats, self.warn, stream, BadFrame.REPLAY_FRAME_COUNT)
+                continue
+            topic, seq_frame, payload = answer
+            if seq_frame == END_SEQ or not payload:
+                break
+            if len(seq_frame) != 8:
+                skip_bad_frame(self.stats, self.warn, stream, BadFrame.BAD_SEQ)
+                continue
+            seq = int.from_bytes(seq_frame, "big")
+            if len(payload) > self.max_frame_bytes:
+                skip_bad_frame(self.stats, self.warn, stream, BadFrame.OVERSIZED, seq)
+                continue
+            messages.append(Message(source, seq, topic, payload, time.time_ns(), replayed=True))
+            size += len(payload)
+            if len(messages) >= self.max_messages or size >= self.max_bytes:
+                self.stats.replay_truncated += 1
+                self.warn(
+                    "replay answer truncated",
+                    (source.replay_endpoint,),
+                    stream=source.replay_endpoint,
+                    messages=len(messages),
+                    bytes=size,
+                )
+                dealer.close(0)  # the rest of this answer must not be read as the next one
+                stream.dealer = None
+                break
+        return messages

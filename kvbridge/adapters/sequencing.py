@@ -1,0 +1,163 @@
+"""What one live message means for its stream: the next batch, a gap to replay, a restart, a
+duplicate of a replayed batch, a jump, or a bad frame.
+
+The :class:`~kvbridge.adapters.subscriber.Subscriber` owns the sockets and the polling; each
+message it reads comes here with its source's
+:class:`~kvbridge.adapters.stream_state.StreamState`. Per source:
+
+- **gap** (``seq > last + 1``): the missing batches are replayed
+  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.recover`);
+- **first message** not at sequence 0: replayed from 0 (or lost, without a replay endpoint);
+- **restart** (the sequence goes backwards, outside a window just covered by a replay): a
+  :class:`StreamReset`, then the stream starts over;
+- **duplicate**: a live copy of a batch a replay already delivered is skipped;
+- **after a reconnect**, a message that continues the sequence checks the publisher first
+  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`): a new process is a
+  restart, whatever its sequence numbers say;
+- **sequence jumps**: a forward jump of more than ``max_gap`` is bad input (``seq_jump``),
+  skipped, not a replay of 10**22 batches. If the next message continues from the jump, the
+  stream did move there: it is *resynchronized* (``resyncs``), a :class:`StreamReset`
+  (``"restart"``) and the stream goes on from there;
+- **throttled**: a restart, gap or jump that finds no clear token suspends the stream: every
+  message is skipped and counted ``throttled`` until a token is back; the first message after
+  that is a resync, and the sequence numbers it skips forward (up to ``max_gap``) are counted
+  ``lost``;
+- **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
+  not 8 bytes): counted by :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import KW_ONLY, dataclass, field
+
+import structlog
+
+from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.replay_client import ReplayClient
+from kvbridge.adapters.source import Message, StreamReset
+from kvbridge.adapters.stream_state import StreamState, skip_bad_frame
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
+
+__all__ = ["Sequencer"]
+
+log = structlog.get_logger("kvbridge.zmq")
+
+
+@dataclass(eq=False)
+class Sequencer:
+    """The sequence logic of one subscriber's streams, counted in the subscriber's stats."""
+
+    stats: SubscriberStats
+    warn: LogLimiter
+    """The subscriber's limiter: one budget of lines per stream and event, whoever logs."""
+    replay: ReplayClient
+    _: KW_ONLY
+    max_frame_bytes: int
+    max_gap: int
+    info: LogLimiter = field(default_factory=lambda: LogLimiter(log.info), init=False)
+    """Gaps, which are expected under load, at info level."""
+
+    def _bad(self, stream: StreamState, reason: BadFrame, seq: int | None = None) -> None:
+        skip_bad_frame(self.stats, self.warn, stream, reason, seq)
+
+    def _check(self, stream: StreamState, frames: list[bytes]) -> int | None:
+        if len(frames) != 3:
+            self._bad(stream, BadFrame.FRAME_COUNT)
+            return None
+        seq_frame = frames[1]
+        if len(seq_frame) != 8:
+            self._bad(stream, BadFrame.BAD_SEQ)
+            return None
+        seq = int.from_bytes(seq_frame, "big")
+        if max(map(len, frames)) > self.max_frame_bytes:
+            self._bad(stream, BadFrame.OVERSIZED, seq)
+            return None
+        return seq
+
+    def _suspend(self, stream: StreamState, seq: int) -> None:
+        """No token for the clear a discontinuity needs: skip until one is back, then resync."""
+        stream.suspend(self.warn, seq)
+        self.stats.bad_frames[BadFrame.THROTTLED] += 1
+
+    def _resync(
+        self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
+    ) -> list[Message | StreamReset]:
+        """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
+        self.stats.resyncs += 1
+        endpoint = stream.source.endpoint
+        self.warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+        stream.suspended = False
+        stream.jumped_to = None
+        out.append(stream.reset("restart"))
+        stream.last = stream.live_last = seq
+        stream.last_payload = frames[2]
+        stream.replayed_through = -1
+        out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
+        return out
+
+    def receive(self, stream: StreamState, frames: list[bytes]) -> list[Message | StreamReset]:
+        """What one live message of ``stream`` delivers: the batch, the replayed batches and
+        resets before it, or nothing (a bad frame, a duplicate, a suspended stream)."""
+        seq = self._check(stream, frames)
+        if seq is None:
+            return []
+        self.stats.messages += 1
+        out: list[Message | StreamReset] = []
+        endpoint = stream.source.endpoint
+        if stream.suspended:
+            if not stream.may_clear():
+                self._suspend(stream, seq)
+                return out
+            last = stream.last
+            if last is not None and 0 < seq - last - 1 <= self.max_gap:
+                self.stats.lost += seq - last - 1  # shed or skipped while suspended
+            return self._resync(stream, frames, seq, out)
+        last = stream.last
+        checked: list[Message] | None = None
+        replaced = False  # a new process, its sequence already past the old last
+        if stream.reconnected:
+            stream.reconnected = False
+            if last is not None and seq > last:
+                checked = self.replay.check_publisher(stream, last)
+                replaced = checked is None
+        if last is not None and (replaced or seq <= last):
+            if not replaced and stream.live_last < seq <= stream.replayed_through:
+                self.stats.duplicates += 1
+                stream.live_last = seq
+                return out
+            if not stream.may_clear():
+                self._suspend(stream, seq)
+                return out
+            self.stats.restarts += 1
+            self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
+            out.append(stream.reset("restart"))
+            stream.last, last = None, None
+            stream.live_last = stream.replayed_through = -1
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            if last is not None and seq - expected > self.max_gap:
+                if stream.jumped_to is None or seq != stream.jumped_to + 1:
+                    stream.jumped_to = seq
+                    self._bad(stream, BadFrame.SEQ_JUMP, seq)
+                    return out
+                if not stream.may_clear():  # it did move there: start over
+                    self._suspend(stream, seq)
+                    return out
+                return self._resync(stream, frames, seq, out)
+            if last is not None:
+                self.stats.gaps += 1
+                self.info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
+            out.extend(self.replay.recover(stream, expected, seq, checked))
+            if stream.suspended:
+                self.stats.bad_frames[BadFrame.THROTTLED] += 1
+                return out
+            stream.live_last = seq
+            if stream.last is not None and seq <= stream.last:
+                self.stats.duplicates += 1
+                return out  # the replay already delivered this one
+        stream.jumped_to = None
+        stream.last = stream.live_last = seq
+        stream.last_payload = frames[2]
+        out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
+        return out

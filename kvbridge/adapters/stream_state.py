@@ -1,0 +1,128 @@
+"""What the subscriber remembers about one source's stream, and the rate limit on its clears.
+
+Sequence numbers only mean something per publisher, so each source has its own
+:class:`StreamState`: its sockets, where its sequence stands (live and through replays), the
+payload of its last batch (to recognise its publisher after a reconnect) and its clear bucket.
+
+**Clears**: every :class:`~kvbridge.adapters.source.StreamReset` takes a token from its source's
+bucket, which holds ``clear_burst`` tokens and refills at one per ``clear_interval`` seconds.
+A discontinuity that finds the bucket empty *suspends* the stream (see
+:mod:`~kvbridge.adapters.sequencing`), so a source gets at most
+``clear_burst + T / clear_interval`` clears in ``T`` seconds, whatever its sequence numbers do:
+a publisher that sends nonsense cannot make every consumer downstream clear the worker in a
+loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import zmq
+
+from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.source import Source, StreamReset
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
+
+__all__ = ["StreamState", "skip_bad_frame"]
+
+
+class StreamState:
+    """One source's stream: sockets, sequence position and clear tokens."""
+
+    __slots__ = (
+        "address",
+        "clear_burst",
+        "clear_interval",
+        "dealer",
+        "jumped_to",
+        "last",
+        "last_payload",
+        "live_last",
+        "monitor",
+        "reconnected",
+        "replayed_through",
+        "socket",
+        "source",
+        "suspended",
+        "tokens",
+        "tokens_at",
+    )
+
+    def __init__(
+        self,
+        source: Source,
+        socket: zmq.Socket[bytes],
+        *,
+        clear_burst: int,
+        clear_interval: float,
+    ) -> None:
+        self.source = source
+        self.socket = socket
+        self.address: str | None = None
+        """The address the SUB connects to (``None`` if it binds): reconnected after a drop."""
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.clear_burst = clear_burst
+        self.clear_interval = clear_interval
+        self.tokens = float(clear_burst)
+        """Clears this source may still send now."""
+        self.tokens_at = time.monotonic()
+        self.suspended = False
+        """A discontinuity found no token: skip everything until one is back, then resync."""
+        self.jumped_to: int | None = None
+        """The sequence of the last message skipped as a jump, to notice a stream that moved."""
+        self.dealer: zmq.Socket[bytes] | None = None
+        """The replay DEALER, opened on the first replay."""
+        self.last: int | None = None
+        """Highest sequence delivered, live or through a replay."""
+        self.last_payload = b""
+        """The payload of batch ``last``, to tell after a reconnect whether the publisher is
+        the same (its replay of that sequence is the same bytes) or a new process."""
+        self.reconnected = False
+        """The connection dropped since the last message: check the publisher (see the
+        subscriber's "reconnects") before the next message is taken as a continuation."""
+        self.live_last = -1
+        """Highest sequence received live."""
+        self.replayed_through = -1
+        """Highest sequence a replay delivered. A live message above ``live_last`` and up to
+        this is a late copy of a replayed batch; anything else that goes back is a restart."""
+
+    def may_clear(self) -> bool:
+        """Whether a token is there for a clear, after refilling the bucket for the time
+        since the last look."""
+        now = time.monotonic()
+        interval = self.clear_interval
+        refill = (now - self.tokens_at) / interval if interval > 0 else 1
+        self.tokens = min(float(self.clear_burst), self.tokens + refill)
+        self.tokens_at = now
+        return self.tokens >= 1
+
+    def reset(self, reason: Literal["restart", "lost"], lost: int = 0) -> StreamReset:
+        """A reset of this stream, which takes a token; the caller has checked
+        :meth:`may_clear`."""
+        self.tokens -= 1
+        return StreamReset(self.source, reason, lost)
+
+    def suspend(self, warn: LogLimiter, seq: int | None = None) -> None:
+        """No token for the clear a discontinuity needs: skip until one is back, then resync.
+        Logs the suspension once; the caller counts what it skips."""
+        if self.suspended:
+            return
+        self.suspended = True
+        endpoint = self.source.endpoint
+        at = {} if seq is None else {"seq": seq}
+        warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, **at)
+
+
+def skip_bad_frame(
+    stats: SubscriberStats,
+    warn: LogLimiter,
+    stream: StreamState,
+    reason: BadFrame,
+    seq: int | None = None,
+) -> None:
+    """Count a frame skipped for ``reason`` (every one) and log it (within ``warn``'s limits,
+    per stream and reason)."""
+    stats.bad_frames[reason] += 1
+    endpoint = stream.source.endpoint
+    warn("bad frame skipped", (endpoint, reason), stream=endpoint, seq=seq, reason=reason.value)
