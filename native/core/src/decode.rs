@@ -871,30 +871,13 @@ fn extra_keys<'a>(
     header: usize,
     reader: &mut Reader<'a>,
 ) -> Result<Option<&'a [u8]>, SchemaError> {
-    let len = match item {
-        Lax::Item(Item::Nil) => return Ok(None),
-        Lax::Item(Item::Array(len)) => len,
-        other => return Err(at.error(expected("array | null", &other))),
-    };
     let mut path = Vec::new();
-    for element in 0..len {
-        let inner = at.at(element);
-        match reader
-            .lax()
-            .map_err(|error| malformed_event(at.event, error))?
-        {
-            Lax::Item(Item::Nil) => {}
-            Lax::Item(Item::Array(keys)) => {
-                for key in 0..keys {
-                    // Keys are `Any`: generic values, errors located below the key.
-                    generic(reader, &mut path, EVENT_DEPTH + 3)
-                        .map_err(|error| inner.at(key).generic_error(error))?;
-                }
-            }
-            other => return Err(inner.error(expected("array | null", &other))),
-        }
-    }
-    Ok(Some(reader.since(header)))
+    nested_list(at, item, header, reader, true, |inner, reader| {
+        // Keys are `Any`: generic values, errors located below the key.
+        generic(reader, &mut path, EVENT_DEPTH + 3)
+            .map(|_| ())
+            .map_err(|error| inner.generic_error(error))
+    })
 }
 
 /// `list[list[TokenId]] | None`, checked and kept as msgpack.
@@ -903,6 +886,24 @@ fn lookahead<'a>(
     item: Lax<'_>,
     header: usize,
     reader: &mut Reader<'a>,
+) -> Result<Option<&'a [u8]>, SchemaError> {
+    nested_list(at, item, header, reader, false, |inner, reader| {
+        let item = reader
+            .lax()
+            .map_err(|error| malformed_event(inner.event, error))?;
+        token(inner, item).map(|_| ())
+    })
+}
+
+/// A `list[list[T]] | None` whose inner lists may be nil if `nullable`: each inner item is
+/// read by `check`, given where it lies; the whole list is kept as msgpack.
+fn nested_list<'a>(
+    at: &At<'_>,
+    item: Lax<'_>,
+    header: usize,
+    reader: &mut Reader<'a>,
+    nullable: bool,
+    mut check: impl FnMut(&At<'_>, &mut Reader<'a>) -> Result<(), SchemaError>,
 ) -> Result<Option<&'a [u8]>, SchemaError> {
     let len = match item {
         Lax::Item(Item::Nil) => return Ok(None),
@@ -915,15 +916,16 @@ fn lookahead<'a>(
             .lax()
             .map_err(|error| malformed_event(at.event, error))?
         {
-            Lax::Item(Item::Array(tokens)) => {
-                for position in 0..tokens {
-                    let item = reader
-                        .lax()
-                        .map_err(|error| malformed_event(at.event, error))?;
-                    token(&inner.at(position), item)?;
+            Lax::Item(Item::Nil) if nullable => {}
+            Lax::Item(Item::Array(items)) => {
+                for position in 0..items {
+                    check(&inner.at(position), reader)?;
                 }
             }
-            other => return Err(inner.error(expected("array", &other))),
+            other => {
+                let wanted = if nullable { "array | null" } else { "array" };
+                return Err(inner.error(expected(wanted, &other)));
+            }
         }
     }
     Ok(Some(reader.since(header)))

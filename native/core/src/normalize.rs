@@ -856,7 +856,7 @@ impl Normalizer {
                 continue;
             }
             if !run.is_empty() && last != parent {
-                self.store_event(rank, dp_rank, event_id, tier, &run, tokens, start, out);
+                self.push_store(rank, dp_rank, event_id, tier, &run, tokens, start, out);
                 run.clear();
             }
             if run.is_empty() {
@@ -868,28 +868,19 @@ impl Normalizer {
             last = Some(canonical);
         }
         if !run.is_empty() {
-            self.store_event(rank, dp_rank, event_id, tier, &run, tokens, start, out);
+            self.push_store(rank, dp_rank, event_id, tier, &run, tokens, start, out);
         }
         self.run = run;
+        self.counters.forwarded[Action::Stored as usize][tier as usize] +=
+            (slots.len() - duplicates) as u64;
         if duplicates > 0 {
-            self.count_drop(Action::Stored, tier, DropReason::DuplicateStore, duplicates);
+            self.count_drop(
+                Action::Stored,
+                tier,
+                DropReason::DuplicateStore,
+                duplicates as u64,
+            );
         }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn store_event(
-        &mut self,
-        rank: &Rank,
-        dp_rank: u32,
-        event_id: u64,
-        tier: Tier,
-        run: &[(Slot, u64)],
-        tokens: Option<EventTokens<'_>>,
-        start: usize,
-        out: &mut Output,
-    ) {
-        self.counters.forwarded[Action::Stored as usize][tier as usize] += run.len() as u64;
-        self.push_store(rank, dp_rank, event_id, tier, run, tokens, start, out);
     }
 
     /// Appends the store of a chained run of blocks to `out`; `tokens` as for

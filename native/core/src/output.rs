@@ -134,7 +134,9 @@ impl Output {
                 out.extend_from_slice(&self.token_msgpack[tokens.clone()]);
                 out.extend_from_slice(canonical::BLOCK_SIZE);
                 write::uint(out, block_size);
+                out.extend_from_slice(canonical::LORA_ID_MEDIUM);
                 out.extend_from_slice(canonical::MEDIUM[event.tier as usize]);
+                out.extend_from_slice(canonical::LORA_NAME);
                 match lora_name {
                     Some(name) => write::str(out, name),
                     None => write::nil(out),
@@ -157,7 +159,9 @@ impl Output {
                 for hash in &self.hashes[hashes.clone()] {
                     write::hash(out, *hash);
                 }
-                out.extend_from_slice(canonical::REMOVED_TAIL[event.tier as usize]);
+                out.extend_from_slice(canonical::MEDIUM_KEY);
+                out.extend_from_slice(canonical::MEDIUM[event.tier as usize]);
+                out.extend_from_slice(canonical::REMOVED_TAIL);
             }
             Body::Cleared => out.extend_from_slice(canonical::CLEARED),
         }
@@ -247,23 +251,17 @@ mod canonical {
     pub const PARENT: &[u8] = b"\xb1parent_block_hash";
     pub const TOKEN_IDS: &[u8] = b"\xa9token_ids";
     pub const BLOCK_SIZE: &[u8] = b"\xaablock_size";
-    /// Per tier: a nil `lora_id`, the `medium` and the `lora_name` key.
-    pub const MEDIUM: [&[u8]; 4] = [
-        b"\xa7lora_id\xc0\xa6medium\xa3GPU\xa9lora_name",
-        b"\xa7lora_id\xc0\xa6medium\xa3CPU\xa9lora_name",
-        b"\xa7lora_id\xc0\xa6medium\xa4DISK\xa9lora_name",
-        b"\xa7lora_id\xc0\xa6medium\xa8EXTERNAL\xa9lora_name",
-    ];
+    /// A nil `lora_id` and the `medium` key; the medium follows, then `LORA_NAME`.
+    pub const LORA_ID_MEDIUM: &[u8] = b"\xa7lora_id\xc0\xa6medium";
+    pub const LORA_NAME: &[u8] = b"\xa9lora_name";
+    /// Each tier's medium, as a msgpack string.
+    pub const MEDIUM: [&[u8]; 4] = [b"\xa3GPU", b"\xa3CPU", b"\xa4DISK", b"\xa8EXTERNAL"];
     pub const STORED_TAIL: &[u8] = b"\xa9group_idx\x00\xb2kv_cache_spec_kind\xaefull_attention";
     /// A removal's map header, tag and `block_hashes` key.
     pub const REMOVED_HEAD: &[u8] = b"\x84\xa4type\xacBlockRemoved\xacblock_hashes";
-    /// Per tier: the `medium` and `group_idx`.
-    pub const REMOVED_TAIL: [&[u8]; 4] = [
-        b"\xa6medium\xa3GPU\xa9group_idx\x00",
-        b"\xa6medium\xa3CPU\xa9group_idx\x00",
-        b"\xa6medium\xa4DISK\xa9group_idx\x00",
-        b"\xa6medium\xa8EXTERNAL\xa9group_idx\x00",
-    ];
+    pub const MEDIUM_KEY: &[u8] = b"\xa6medium";
+    /// A removal's `group_idx`, after its medium.
+    pub const REMOVED_TAIL: &[u8] = b"\xa9group_idx\x00";
     pub const CLEARED: &[u8] = b"\x81\xa4type\xb0AllBlocksCleared";
 }
 
@@ -315,15 +313,18 @@ mod tests {
         let mut head = tag(4, REMOVED_MAP_FIELDS, REMOVED);
         head.extend(strs(&["block_hashes"]));
         assert_eq!(canonical::REMOVED_HEAD, head);
+        let mut lora_id = strs(&["lora_id"]);
+        write::nil(&mut lora_id);
+        lora_id.extend(strs(&["medium"]));
+        assert_eq!(canonical::LORA_ID_MEDIUM, lora_id);
+        assert_eq!(canonical::LORA_NAME, strs(&["lora_name"]));
+        assert_eq!(canonical::MEDIUM_KEY, strs(&["medium"]));
         for tier in Tier::ALL {
-            let mut medium = strs(&["lora_id"]);
-            write::nil(&mut medium);
-            medium.extend(strs(&["medium", tier.medium(), "lora_name"]));
-            assert_eq!(canonical::MEDIUM[tier as usize], medium);
-            let mut tail = strs(&["medium", tier.medium(), "group_idx"]);
-            write::uint(&mut tail, 0);
-            assert_eq!(canonical::REMOVED_TAIL[tier as usize], tail);
+            assert_eq!(canonical::MEDIUM[tier as usize], strs(&[tier.medium()]));
         }
+        let mut tail = strs(&["group_idx"]);
+        write::uint(&mut tail, 0);
+        assert_eq!(canonical::REMOVED_TAIL, tail);
         assert_eq!(canonical::CLEARED, tag(1, 1, CLEARED));
     }
 }
