@@ -32,11 +32,11 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Annotated, Any, Final, Literal, Self
+from typing import IO, Annotated, Any, Final, Literal
 
 import msgspec
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.publisher import Publisher
 
 __all__ = [
@@ -149,7 +149,7 @@ _header_decoder = msgspec.msgpack.Decoder(_Header)
 _record_decoder = msgspec.msgpack.Decoder(FrameRecord)
 
 
-class CaptureWriter:
+class CaptureWriter(ClosedOnExit):
     """Appends frame records to a new capture file."""
 
     def __init__(self, path: str | Path, *, meta: dict[str, Any] | None = None) -> None:
@@ -180,17 +180,6 @@ class CaptureWriter:
 
     def close(self) -> None:
         self._file.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class CaptureReader:

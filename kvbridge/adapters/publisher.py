@@ -43,12 +43,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from types import TracebackType
 from typing import Final, Self
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.replay_protocol import END_SEQ, answer_frames, end_frames, parse_request
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "Publisher", "ReplayServer", "should_bind"]
@@ -83,7 +83,7 @@ def _last_endpoint(socket: zmq.Socket[bytes]) -> str:
     return str(value)
 
 
-class Publisher:
+class Publisher(ClosedOnExit):
     """Publishes [topic, seq8, payload] frames on a PUB socket and serves replays on a ROUTER
     socket, the way a vLLM engine does.
 
@@ -420,17 +420,6 @@ class Publisher:
         self._router = None
         if self._owns_context:
             self._ctx.term()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -59,6 +59,7 @@ from typing import Final
 import msgspec
 import zmq
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, ReplayServer
 from kvbridge.adapters.source import Source
@@ -137,7 +138,7 @@ class _HeldSink:
         self.held.extend((publisher, payload) for payload in batch.canonical_payloads(ts))
 
 
-class Relay:
+class Relay(ClosedOnExit):
     """Relays and canonicalises the KV-event streams of one or more vLLM workers."""
 
     def __init__(
@@ -328,9 +329,3 @@ class Relay:
             self._replays.close()
         for publisher in self.outputs.values():
             publisher.close()
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -9,9 +9,9 @@ import random
 import re
 import time
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Final, Self
+from typing import Final
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, should_bind
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.vllm import (
@@ -40,7 +40,7 @@ def _release_key(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match[1].split("."))
 
 
-class SimulatedEngine:
+class SimulatedEngine(ClosedOnExit):
     """A vLLM engine in miniature: a prefix-cached GPU block pool (and optionally a CPU offload
     tier) that publishes vLLM's KV events over ZMQ, with a replay socket.
 
@@ -365,17 +365,6 @@ class SimulatedEngine:
         """Close the sockets. Idempotent."""
         self._closed = True
         self._publisher.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

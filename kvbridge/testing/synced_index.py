@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Final, Self
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.tiered_index import Overlap, TieredIndex
 from kvbridge.schemas.tiers import Tier
@@ -21,7 +21,7 @@ _STEP_MS: Final = 20
 """How long one relay step waits for frames, bounding how fast the relay thread parks or stops."""
 
 
-class SyncedIndex(TieredIndex):
+class SyncedIndex(TieredIndex, ClosedOnExit):
     """A :class:`~kvbridge.adapters.tiered_index.TieredIndex` fed live from simulated engines.
 
     A background thread runs a :class:`~kvbridge.adapters.relay.Relay` that subscribes to every
@@ -207,14 +207,3 @@ class SyncedIndex(TieredIndex):
             self._cond.notify_all()
         self._thread.join()
         self._relay.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
