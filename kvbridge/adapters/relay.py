@@ -61,7 +61,8 @@ import zmq
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
-from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, ReplayServer
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
+from kvbridge.adapters.replay_server import ReplayServer
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES, Subscriber
 from kvbridge.adapters.tiered_index import TieredIndex
