@@ -6,7 +6,6 @@ docs/simulator.md."""
 from __future__ import annotations
 
 import random
-import re
 import time
 from collections.abc import Sequence
 from typing import Final
@@ -14,30 +13,15 @@ from typing import Final
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, should_bind
 from kvbridge.adapters.source import Source
-from kvbridge.schemas.vllm import (
-    BlockHash,
-    Event,
-    Layout,
-    VllmBatch,
-    decode_batch,
-    encode_batch,
-    layout_for,
-)
+from kvbridge.schemas.vllm import decode_batch, encode_batch
+from kvbridge.schemas.vllm.layouts import Layout, layout_for, release_key
+from kvbridge.schemas.vllm.types import BlockHash, Event, VllmBatch
 from kvbridge.testing.cpu_tier import CpuTier
 from kvbridge.testing.gpu_pool import GpuPool
 from kvbridge.testing.scheduler import Completion, Scheduler
 from kvbridge.testing.vllm_hashes import checked_token_ids, none_hash, published_hash
 
 __all__ = ["SimulatedEngine"]
-
-_RELEASE: Final = re.compile(r"^v?(\d+(?:\.\d+)*)")
-
-
-def _release_key(release: str) -> tuple[int, ...]:
-    match = _RELEASE.match(release.strip())
-    if match is None:
-        raise ValueError(f"not a vLLM release: {release!r}")
-    return tuple(int(part) for part in match[1].split("."))
 
 
 class SimulatedEngine(ClosedOnExit):
@@ -115,7 +99,7 @@ class SimulatedEngine(ClosedOnExit):
                 f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
             )
         layout = layout_for(release)
-        version = _release_key(release)
+        version = release_key(release)
         if bytes_hashes and version < (0, 10, 2):
             raise ValueError(f"vLLM {release} publishes int hashes only (bytes from 0.10.2)")
         if cpu_blocks is not None and version < (0, 11):

@@ -26,6 +26,7 @@ from kvbridge.schemas.vllm.layouts import (
     Layout,
     layout_for,
     layout_types,
+    release_key,
 )
 from kvbridge.schemas.vllm.types import (
     MAX_NESTING,
@@ -57,4 +58,5 @@ __all__ = [
     "encode_batch",
     "layout_for",
     "layout_types",
+    "release_key",
 ]
