@@ -14,7 +14,9 @@ where they are known). :func:`decode_batch` raises nothing else for any payload.
 
 The package's modules each have one job: :mod:`~kvbridge.schemas.vllm.types` (the event types),
 :mod:`~kvbridge.schemas.vllm.layouts` (the per-release table), :mod:`~kvbridge.schemas.vllm.decode`
-and :mod:`~kvbridge.schemas.vllm.encode`.
+(the entry point, over the one-pass :mod:`~kvbridge.schemas.vllm.fast_decode` and the
+event-by-event :mod:`~kvbridge.schemas.vllm.event_decode`, which reads headers with
+:mod:`~kvbridge.schemas.vllm.msgpack_headers`) and :mod:`~kvbridge.schemas.vllm.encode`.
 """
 
 from kvbridge.schemas.vllm.decode import decode_batch

@@ -18,6 +18,7 @@ import msgspec
 from kvbridge.schemas.vllm.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
+    "LAST_ARRAY_LAYOUT",
     "LAYOUTS",
     "REMOVED_FIELDS",
     "STORED_FIELDS",
@@ -72,6 +73,10 @@ LAYOUTS: Final[tuple[Layout, ...]] = (
     Layout("0.33.0", "0.33.0", "map", 3, 15, 5),  # + lookahead_token_ids
 )
 """Every distinct layout, oldest first. Each adds fields at the end of the previous one."""
+
+LAST_ARRAY_LAYOUT: Final = [layout for layout in LAYOUTS if layout.encoding == "array"][-1]
+"""The newest layout of positional arrays: array events never carried the fields after its
+own (the map-only fields, ``locality`` and after)."""
 
 
 _RELEASE: Final = re.compile(r"^v?(\d+(?:\.\d+)*)")
