@@ -45,8 +45,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-class _Once(argparse._StoreAction):
-    """``store``, except that a second occurrence is an error rather than the last one winning."""
+class _Checked(argparse._StoreAction):
+    """``store``, once :meth:`refusal` has nothing against this occurrence of the option."""
+
+    def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        """Why this occurrence is refused, or ``None`` to store its value."""
+        return None
 
     def __call__(
         self,
@@ -55,28 +59,32 @@ class _Once(argparse._StoreAction):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        seen: set[str] = namespace.__dict__.setdefault("_given", set())
-        if option_string is not None and self.dest in seen:
-            raise argparse.ArgumentError(self, "given more than once (it takes one value)")
-        seen.add(self.dest)
+        reason = self.refusal(namespace, option_string)
+        if reason is not None:
+            raise argparse.ArgumentError(self, reason)
         setattr(namespace, self.dest, values)
 
 
-class _Refuse(argparse.Action):
+class _Once(_Checked):
+    """``store``, except that a second occurrence is an error rather than the last one winning."""
+
+    def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        seen: set[str] = namespace.__dict__.setdefault("_given", set())
+        if option_string is not None and self.dest in seen:
+            return "given more than once (it takes one value)"
+        seen.add(self.dest)
+        return None
+
+
+class _Refuse(_Checked):
     """An option a command does not take, refused with the reason."""
 
     def __init__(self, *args: Any, reason: str, **kwargs: Any) -> None:
         self.reason = reason
         super().__init__(*args, **kwargs)
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        raise argparse.ArgumentError(self, self.reason)
+    def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        return self.reason
 
 
 def build_parser() -> argparse.ArgumentParser:
