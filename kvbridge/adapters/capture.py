@@ -349,22 +349,7 @@ def replay_capture(
     socket takes them. Waits up to ``wait_subscribers`` seconds for a first subscriber, since a
     PUB socket drops what it sends before anyone listens. Returns the number of messages sent.
     """
-    with Publisher(endpoint, bind=bind) as publisher:
-        if wait_subscribers > 0:
-            publisher.wait_for_subscribers(timeout=wait_subscribers)
-        start = time.monotonic()
-        first_ns = records[0].received_ns if records else 0
-        sent = 0
-        for record in records:
-            if stop is not None and stop.is_set():
-                break
-            if pace == "original":
-                delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
-                if delay > 0 and stop is not None:
-                    stop.wait(delay)
-                elif delay > 0:
-                    time.sleep(delay)
-            publisher.send_frames(record.frames)
-            sent += 1
-        time.sleep(0.1)  # let ZMQ flush before the socket closes (linger is 0)
-        return sent
+    (result,) = replay_streams(
+        [(endpoint, records)], bind=bind, pace=pace, wait_subscribers=wait_subscribers, stop=stop
+    )
+    return result.sent
