@@ -6,7 +6,6 @@ inside; this base is that protocol, written once.
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Self
 
 __all__ = ["ClosedOnExit"]
@@ -22,10 +21,5 @@ class ClosedOnExit:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
