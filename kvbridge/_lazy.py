@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 
 
-def lazy_names(
-    package: str, namespace: dict[str, object], module_of: Mapping[str, str]
-) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """The module ``__getattr__`` and ``__dir__`` of ``package``: a name of ``module_of`` is
-    imported from its module when first read, and kept in ``namespace`` (the package's
-    globals) so that it is looked up once."""
+def lazy_names(namespace: dict[str, object], names_of: Mapping[str, Sequence[str]]) -> None:
+    """Make the names of ``names_of`` (``{module: names}``) the public names of the package
+    whose globals are ``namespace``: its ``__all__``, and a module ``__getattr__`` and
+    ``__dir__`` by which a name is imported from its module when first read, then kept in
+    ``namespace`` so that it is looked up once.
+
+    The ``__getattr__`` is set here, out of type checkers' sight: with a visible module
+    ``__getattr__`` they would accept any attribute of the package, misspelt ones included.
+    The package imports its names for them under ``TYPE_CHECKING``, as ``name as name``.
+    """
+    package = namespace["__name__"]
+    module_of = {name: module for module, names in names_of.items() for name in names}
 
     def import_name(name: str) -> object:
         module = module_of.get(name)
@@ -24,4 +30,6 @@ def lazy_names(
     def names() -> list[str]:
         return sorted({*namespace, *module_of})
 
-    return import_name, names
+    namespace["__all__"] = sorted(module_of)
+    namespace["__getattr__"] = import_name
+    namespace["__dir__"] = names

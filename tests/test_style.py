@@ -98,3 +98,21 @@ def test_architecture_doc_names_only_files_that_exist() -> None:
     named = set(re.findall(r"\b((?:kvbridge|native|docs|tests|tools)/[\w/.-]*\w)", text))
     assert len(named) >= 30, sorted(named)
     assert sorted(path for path in named if not (ROOT / path).exists()) == []
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_every_module_is_small_and_named_once() -> None:
+    """No module of kvbridge/ is over MAX_MODULE_LINES lines, and no two share a file name
+    (``__init__.py`` aside): a file's name says its one job, so it says it once."""
+    modules = sorted((ROOT / "kvbridge").rglob("*.py"))
+    lines = {
+        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in modules
+    }
+    assert {path: count for path, count in lines.items() if count > MAX_MODULE_LINES} == {}
+    by_name: dict[str, list[str]] = {}
+    for path in modules:
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}

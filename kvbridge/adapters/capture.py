@@ -32,11 +32,11 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Annotated, Any, Final, Literal, Self
+from typing import IO, Annotated, Any, Final, Literal
 
 import msgspec
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.publisher import Publisher
 
 __all__ = [
@@ -149,7 +149,7 @@ _header_decoder = msgspec.msgpack.Decoder(_Header)
 _record_decoder = msgspec.msgpack.Decoder(FrameRecord)
 
 
-class CaptureWriter:
+class CaptureWriter(ClosedOnExit):
     """Appends frame records to a new capture file."""
 
     def __init__(self, path: str | Path, *, meta: dict[str, Any] | None = None) -> None:
@@ -180,17 +180,6 @@ class CaptureWriter:
 
     def close(self) -> None:
         self._file.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class CaptureReader:
@@ -360,22 +349,7 @@ def replay_capture(
     socket takes them. Waits up to ``wait_subscribers`` seconds for a first subscriber, since a
     PUB socket drops what it sends before anyone listens. Returns the number of messages sent.
     """
-    with Publisher(endpoint, bind=bind) as publisher:
-        if wait_subscribers > 0:
-            publisher.wait_for_subscribers(timeout=wait_subscribers)
-        start = time.monotonic()
-        first_ns = records[0].received_ns if records else 0
-        sent = 0
-        for record in records:
-            if stop is not None and stop.is_set():
-                break
-            if pace == "original":
-                delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
-                if delay > 0 and stop is not None:
-                    stop.wait(delay)
-                elif delay > 0:
-                    time.sleep(delay)
-            publisher.send_frames(record.frames)
-            sent += 1
-        time.sleep(0.1)  # let ZMQ flush before the socket closes (linger is 0)
-        return sent
+    (result,) = replay_streams(
+        [(endpoint, records)], bind=bind, pace=pace, wait_subscribers=wait_subscribers, stop=stop
+    )
+    return result.sent

@@ -17,15 +17,13 @@ Bind or connect
     endpoint is always bound.
 
 Replay (ROUTER socket)
-    A request is ``[identity, b"", start_seq8]`` (a DEALER sends ``[b"", start_seq8]``). The answer
-    is every buffered batch whose seq is >= ``start_seq``, oldest first, followed by an end marker.
-    Batches that have left the ring buffer (``buffer_steps`` batches) are not signalled: the first
-    replayed seq is simply larger than the one requested, unless a ``snapshot`` provider is
-    set (:attr:`Publisher.snapshot`): a request older than the buffer is then answered with
-    the provider's payloads (a clear, then every resident block), numbered from the seq asked
-    for, then the buffered batches from the provider's ``next_seq`` on.
-    The frame layouts (vLLM 0.26+ by default, or the legacy one) are in
-    :mod:`kvbridge.adapters.replay_protocol`.
+    Every batch is also kept in a ring buffer (``buffer_steps`` batches) that a ROUTER socket
+    answers vLLM's replay requests from; :mod:`kvbridge.adapters.replay_server` has that side.
+    Batches that have left the buffer are not signalled: the first replayed seq is simply larger
+    than the one requested, unless a ``snapshot`` provider is set (:attr:`Publisher.snapshot`):
+    a request older than the buffer is then answered with the provider's payloads (a clear,
+    then every resident block), numbered from the seq asked for, then the buffered batches from
+    the provider's ``next_seq`` on.
 
 Threads
     ZMQ sockets are not thread-safe. The PUB socket (and its monitor) belongs to the thread that
@@ -39,30 +37,26 @@ Threads
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from types import TracebackType
-from typing import Final, Self
+from collections.abc import Callable
+from typing import Final
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvbridge.adapters.replay_protocol import END_SEQ, answer_frames, end_frames, parse_request
+from kvbridge._closing import ClosedOnExit
+from kvbridge.adapters.replay_server import ReplayBuffer, ReplaySocket, last_endpoint
 
-__all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "Publisher", "ReplayServer", "should_bind"]
+__all__ = ["DEFAULT_BUFFER_STEPS", "Publisher", "should_bind"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
 
 _MAX_SEQ: Final[int] = 2**64 - 2
-"""Largest publishable seq; 2**64 - 1 would be indistinguishable from :data:`END_SEQ`."""
+"""Largest publishable seq; 2**64 - 1 would be indistinguishable from
+:data:`~kvbridge.adapters.replay_protocol.END_SEQ`."""
 
 _SNDMORE: Final[int] = int(zmq.SNDMORE)
-
-_REPLAY_POLL_MS: Final[int] = 50
-"""How long the background replay thread waits per poll, bounding how fast ``close()`` returns."""
 
 
 def should_bind(endpoint: str) -> bool:
@@ -75,15 +69,7 @@ def should_bind(endpoint: str) -> bool:
     )
 
 
-def _last_endpoint(socket: zmq.Socket[bytes]) -> str:
-    """Return the address ``socket`` last bound or connected to, with ephemeral ports resolved."""
-    value = socket.getsockopt(zmq.LAST_ENDPOINT)
-    if isinstance(value, bytes):
-        return value.decode()
-    return str(value)
-
-
-class Publisher:
+class Publisher(ClosedOnExit):
     """Publishes [topic, seq8, payload] frames on a PUB socket and serves replays on a ROUTER
     socket, the way a vLLM engine does.
 
@@ -126,29 +112,17 @@ class Publisher:
         if hwm < 0:
             raise ValueError(f"hwm must be >= 0, got {hwm}")
         self._topic: Final[bytes] = topic.encode()
-        self._replay_topic_frame: Final[bool] = replay_topic_frame
-        self._lock = threading.Lock()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._next_seq = first_seq
+        self._buffer: Final = ReplayBuffer(buffer_steps, first_seq)
         self._closed = False
-        self._stop = threading.Event()
-        self._replay_thread: threading.Thread | None = None
-        self._replay_server: ReplayServer | None = None
 
         self._owns_context = context is None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if context is None else context
         self._pub: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
-        self._router: zmq.Socket[bytes] | None = None
+        self._replays: ReplaySocket | None = None
         self._peers = 0
         self.last_sent = time.monotonic()
         """When :meth:`publish` last sent a batch (monotonic), for heartbeats."""
-        self.snapshot: Callable[[], tuple[int, list[bytes]] | None] | None = None
-        """Called on the replay thread for a request older than the buffer: ``(next_seq,
-        payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
-        ``None`` (then the buffer is replayed as usual)."""
-        self.snapshots_served = 0
-        """Replay requests answered with a snapshot."""
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
@@ -161,16 +135,16 @@ class Publisher:
                 self._pub.bind(endpoint)
             else:
                 self._pub.connect(endpoint)
-            self._endpoint: Final[str] = _last_endpoint(self._pub)
-
-            self._replay_endpoint: str | None = None
+            self._endpoint: Final[str] = last_endpoint(self._pub)
             if replay_endpoint is not None:
-                self._router = self._ctx.socket(zmq.ROUTER)
-                self._router.setsockopt(zmq.LINGER, 0)
-                # vLLM 0.33: room for a full replay plus its end marker.
-                self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self._router.bind(replay_endpoint)
-                self._replay_endpoint = _last_endpoint(self._router)
+                self._replays = ReplaySocket(
+                    self._ctx,
+                    replay_endpoint,
+                    self._buffer,
+                    topic=self._topic,
+                    topic_frame=replay_topic_frame,
+                    buffer_steps=buffer_steps,
+                )
         except BaseException:
             self._close_sockets()
             raise
@@ -185,7 +159,7 @@ class Publisher:
     @property
     def replay_endpoint(self) -> str | None:
         """The ROUTER socket's actual bound address, or ``None`` without a replay socket."""
-        return self._replay_endpoint
+        return None if self._replays is None else self._replays.endpoint
 
     @property
     def topic(self) -> str:
@@ -195,8 +169,23 @@ class Publisher:
     @property
     def next_seq(self) -> int:
         """The seq the next :meth:`publish` without an explicit ``seq`` will use."""
-        with self._lock:
-            return self._next_seq
+        return self._buffer.next_seq
+
+    @property
+    def snapshot(self) -> Callable[[], tuple[int, list[bytes]] | None] | None:
+        """Called on the replay thread for a request older than the buffer: ``(next_seq,
+        payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
+        ``None`` (then the buffer is replayed as usual). ``None`` by default."""
+        return self._buffer.snapshot
+
+    @snapshot.setter
+    def snapshot(self, provider: Callable[[], tuple[int, list[bytes]] | None] | None) -> None:
+        self._buffer.snapshot = provider
+
+    @property
+    def snapshots_served(self) -> int:
+        """Replay requests answered with a snapshot."""
+        return self._buffer.snapshots_served
 
     # ------------------------------------------------------------------ live stream
 
@@ -222,10 +211,7 @@ class Publisher:
         pub = self._pub
         if self._closed or pub is None:
             raise RuntimeError("publisher is closed")
-        with self._lock:
-            used = self._next_seq if seq is None else seq
-            self._next_seq = used + 1
-            self._buffer.append((used, payload))
+        used = self._buffer.append(payload, seq)
         if send:
             self.last_sent = time.monotonic()
             if type(payload) is bytes:
@@ -285,18 +271,13 @@ class Publisher:
 
     def restart(self) -> None:
         """Simulate an engine restart: the next seq is 0 again and the replay buffer is emptied."""
-        with self._lock:
-            self._next_seq = 0
-            self._buffer.clear()
+        self._buffer.restart()
 
     # ------------------------------------------------------------------ replay
 
     def serve_replays(self, timeout_ms: int = 0) -> int:
-        """Answer the replay requests waiting on the ROUTER socket.
-
-        Waits up to ``timeout_ms`` for a first request (0: do not wait; negative: wait forever),
-        then serves it and every other request already queued. A request that is not exactly
-        ``[identity, b"", start_seq8]`` (8-byte seq) is ignored.
+        """Answer the replay requests waiting on the ROUTER socket (see
+        :meth:`ReplaySocket.serve <kvbridge.adapters.replay_server.ReplaySocket.serve>`).
 
         Returns:
             The number of requests served (0 without a replay socket, or once closed).
@@ -304,51 +285,7 @@ class Publisher:
         Raises:
             RuntimeError: the background replay thread is running and this is another thread.
         """
-        router = self._router
-        if router is None:
-            return 0
-        owner = self._replay_thread
-        if owner is not None and threading.current_thread() is not owner:
-            raise RuntimeError("replays are served by the background thread")
-        if not router.poll(None if timeout_ms < 0 else timeout_ms, zmq.POLLIN):
-            return 0
-        served = 0
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return served
-            request = parse_request(frames)
-            if request is None:
-                continue
-            self._answer(router, *request)
-            served += 1
-
-    def _answer(self, router: zmq.Socket[bytes], identity: bytes, start_seq: int) -> None:
-        """Send ``identity`` the buffered batches with seq >= ``start_seq``, then the end marker."""
-        with self._lock:
-            buffer = self._buffer
-            older = start_seq < (buffer[0][0] if buffer else self._next_seq)
-        batches: list[tuple[int, bytes]] = []
-        snapshot = self.snapshot() if older and self.snapshot is not None else None
-        if snapshot is not None:
-            # Numbered from the seq asked for (Dynamo's listener calls a replay that starts
-            # later "incomplete"); the buffered batches from the snapshot's point follow. A
-            # listener re-applies the live batches it holds after them: replaying a suffix of
-            # the stream on top of its result changes nothing.
-            next_seq, payloads = snapshot
-            batches = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
-            start_seq = max(next_seq, start_seq + len(payloads))
-            self.snapshots_served += 1
-        with self._lock:
-            batches += [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
-        # A ROUTER never blocks on send: beyond SNDHWM (or for a vanished peer) it drops.
-        topic_frame = self._replay_topic_frame
-        for seq, payload in batches:
-            router.send_multipart(
-                answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
-            )
-        router.send_multipart(end_frames(identity, topic_frame=topic_frame))
+        return 0 if self._replays is None else self._replays.serve(timeout_ms)
 
     def start_replay_thread(self) -> None:
         """Serve replays from a daemon thread until :meth:`close`.
@@ -359,37 +296,20 @@ class Publisher:
             RuntimeError: there is no replay socket, the thread already runs, or the publisher is
                 closed.
         """
-        if self._router is None:
+        self.replay_socket().start_thread()
+
+    def replay_socket(self) -> ReplaySocket:
+        """The replay side, for a :class:`~kvbridge.adapters.replay_server.ReplayServer` to
+        serve; it stops when this publisher closes.
+
+        Raises:
+            RuntimeError: there is no replay socket, or the publisher is closed.
+        """
+        if self._replays is None:
             raise RuntimeError("no replay_endpoint was configured")
         if self._closed:
             raise RuntimeError("publisher is closed")
-        if self._replay_thread is not None:
-            raise RuntimeError("the replay thread is already running")
-        thread = threading.Thread(target=self._replay_loop, name="kv-replay", daemon=True)
-        self._replay_thread = thread
-        thread.start()
-
-    def _adopt_replays(self, server: ReplayServer, thread: threading.Thread) -> zmq.Socket[bytes]:
-        """Hand the ROUTER to ``server``'s thread, as :meth:`start_replay_thread` would to its
-        own; returns the socket for the server's poller."""
-        if self._router is None:
-            raise RuntimeError("no replay_endpoint was configured")
-        if self._closed:
-            raise RuntimeError("publisher is closed")
-        if self._replay_thread is not None:
-            raise RuntimeError("the replay thread is already running")
-        self._replay_thread = thread
-        self._replay_server = server
-        return self._router
-
-    def _replay_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.serve_replays(_REPLAY_POLL_MS)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
+        return self._replays
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -401,82 +321,25 @@ class Publisher:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        if self._replay_server is not None:
-            self._replay_server.close()  # it serves this ROUTER: stop it before closing it
-        thread = self._replay_thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if self._replays is not None:
+            self._replays.stop()
         self._close_sockets()
 
     def _close_sockets(self) -> None:
         if self._pub is not None and self._monitor is not None:
             self._pub.disable_monitor()
-        for sock in (self._monitor, self._pub, self._router):
+        for sock in (self._monitor, self._pub):
             if sock is not None:
                 sock.close(linger=0)
         self._pub = None
         self._monitor = None
-        self._router = None
+        if self._replays is not None:
+            self._replays.close()
         if self._owns_context:
             self._ctx.term()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
-            f"Publisher(endpoint={self._endpoint!r}, replay_endpoint={self._replay_endpoint!r}, "
+            f"Publisher(endpoint={self._endpoint!r}, replay_endpoint={self.replay_endpoint!r}, "
             f"topic={self.topic!r}, closed={self._closed})"
         )
-
-
-class ReplayServer:
-    """Serves the replay ROUTERs of many publishers from one thread, with one poller.
-
-    :meth:`Publisher.start_replay_thread` runs a thread per publisher; a relay with 1,000
-    outputs would run 1,000 threads, each waking every 50 ms. This one thread sleeps in a single
-    ``zmq_poll`` over every ROUTER and answers whichever has requests. Each publisher's ROUTER
-    then belongs to this thread (as after ``start_replay_thread``); closing any of the
-    publishers stops the server, so close them all together (or :meth:`close` first).
-    """
-
-    def __init__(self, publishers: Iterable[Publisher]) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kv-replays", daemon=True)
-        self._poller = zmq.Poller()
-        self._routers: dict[zmq.Socket[bytes], Publisher] = {}
-        for publisher in publishers:
-            router = publisher._adopt_replays(self, self._thread)
-            self._routers[router] = publisher
-            self._poller.register(router, zmq.POLLIN)
-
-    def start(self) -> Self:
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        routers = self._routers
-        while not self._stop.is_set():
-            try:
-                for router, _ in self._poller.poll(_REPLAY_POLL_MS):
-                    routers[router].serve_replays(0)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-
-    def close(self) -> None:
-        """Stop the thread (within ``_REPLAY_POLL_MS``). Idempotent; the sockets stay open."""
-        self._stop.set()
-        thread = self._thread
-        if thread.is_alive() and thread is not threading.current_thread():
-            thread.join()

@@ -58,8 +58,10 @@ from typing import Final
 import msgspec
 import zmq
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
-from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, ReplayServer
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
+from kvbridge.adapters.replay_server import ReplayServer
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.stream_stats import OutputStats, PipelineStats
 from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES, Subscriber
@@ -137,7 +139,7 @@ class _HeldSink:
         self.held.extend((publisher, payload) for payload in batch.canonical_payloads(ts))
 
 
-class Relay:
+class Relay(ClosedOnExit):
     """Relays and canonicalises the KV-event streams of one or more vLLM workers."""
 
     def __init__(
@@ -328,9 +330,3 @@ class Relay:
             self._replays.close()
         for publisher in self.outputs.values():
             publisher.close()
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

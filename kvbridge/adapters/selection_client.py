@@ -18,11 +18,12 @@ import contextlib
 import os
 import threading
 from collections.abc import Coroutine, Iterator, Mapping
-from types import TracebackType
-from typing import Any, Final, Self, TypeVar
+from typing import Any, Final, TypeVar
 
 from dynamo.llm import SelectionService
 from dynamo.llm.exceptions import SelectionServiceError
+
+from kvbridge._closing import ClosedOnExit
 
 __all__ = ["TUNING_ENV", "SelectionClient", "SelectionServiceError"]
 
@@ -43,7 +44,7 @@ _ENV_LOCK: Final = threading.Lock()
 _T = TypeVar("_T")
 
 
-class SelectionClient:
+class SelectionClient(ClosedOnExit):
     """An in-process ``dynamo.llm.SelectionService`` on an event loop of its own.
 
     Args:
@@ -139,17 +140,6 @@ class SelectionClient:
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(DEFAULT_CALL_TIMEOUT_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(DEFAULT_CALL_TIMEOUT_S)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 @contextlib.contextmanager

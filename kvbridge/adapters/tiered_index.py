@@ -251,6 +251,10 @@ class TieredIndex:
 
     # -- reads ----------------------------------------------------------------------------
 
+    def _before_read(self) -> None:
+        """Called first by every read: an index fed on another thread waits for it here (see
+        :class:`~kvbridge.testing.SyncedIndex`); this one is always up to date."""
+
     def overlap(
         self,
         token_ids: Sequence[int],
@@ -259,6 +263,7 @@ class TieredIndex:
         cache_salt: str | None = None,
     ) -> dict[tuple[int, int], Overlap]:
         """Leading blocks of ``token_ids`` resident per (worker_id, dp_rank), by tier."""
+        self._before_read()
         if self.block_size is None:
             return {}
         hashes = tokens_hashes(
@@ -279,6 +284,7 @@ class TieredIndex:
 
     def resident(self, worker_id: int, dp_rank: int = 0) -> dict[Tier, int]:
         """How many blocks of a worker's rank are resident on each tier."""
+        self._before_read()
         residency = self._residency.get((worker_id, dp_rank))
         nodes = residency.nodes.values() if residency else ()
         return {
@@ -287,10 +293,12 @@ class TieredIndex:
 
     def workers(self) -> list[tuple[int, int]]:
         """Every (worker_id, dp_rank) with at least one resident block."""
+        self._before_read()
         return sorted(key for key, residency in self._residency.items() if residency.nodes)
 
     def dump(self) -> dict[str, list[dict[str, Any]]]:
         """Each level's tree as Dynamo dumps it: ``RouterEvent`` objects, one per edge."""
+        self._before_read()
         return {
             level: [msgspec.json.decode(row) for row in tree.dump_tree_as_events()]
             for level, tree in zip(LEVELS, self._trees, strict=True)

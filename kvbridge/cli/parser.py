@@ -9,6 +9,7 @@ one silently win.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any, Final, NoReturn
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS
@@ -31,6 +32,9 @@ _ENDPOINT_HELP: Final = (
     "subscribes to a remote engine that binds"
 )
 
+_LIVE: Final = "relay, record and watch do"
+"""The commands that follow live streams, the only ones that serve metrics."""
+
 
 class _Parser(argparse.ArgumentParser):
     """Reports a bad argument in one line and exits with status 2; options that take one value
@@ -45,8 +49,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-class _Once(argparse._StoreAction):
-    """``store``, except that a second occurrence is an error rather than the last one winning."""
+class _Checked(argparse._StoreAction):
+    """``store``, once :meth:`refusal` has nothing against this occurrence of the option."""
+
+    def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        """Why this occurrence is refused, or ``None`` to store its value."""
+        return None
 
     def __call__(
         self,
@@ -55,28 +63,32 @@ class _Once(argparse._StoreAction):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        seen: set[str] = namespace.__dict__.setdefault("_given", set())
-        if option_string is not None and self.dest in seen:
-            raise argparse.ArgumentError(self, "given more than once (it takes one value)")
-        seen.add(self.dest)
+        reason = self.refusal(namespace, option_string)
+        if reason is not None:
+            raise argparse.ArgumentError(self, reason)
         setattr(namespace, self.dest, values)
 
 
-class _Refuse(argparse.Action):
+class _Once(_Checked):
+    """``store``, except that a second occurrence is an error rather than the last one winning."""
+
+    def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        seen: set[str] = namespace.__dict__.setdefault("_given", set())
+        if option_string is not None and self.dest in seen:
+            return "given more than once (it takes one value)"
+        seen.add(self.dest)
+        return None
+
+
+class _Refuse(_Checked):
     """An option a command does not take, refused with the reason."""
 
     def __init__(self, *args: Any, reason: str, **kwargs: Any) -> None:
         self.reason = reason
         super().__init__(*args, **kwargs)
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        raise argparse.ArgumentError(self, self.reason)
+    def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        return self.reason
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,29 +142,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    def no_metrics(command: argparse.ArgumentParser, name: str) -> None:
-        command.add_argument(
-            "--metrics-port",
-            action=_Refuse,
-            reason=f"kvbridge {name} serves no metrics (relay, record and watch do)",
-            help=argparse.SUPPRESS,
-        )
+    def refuse(command: argparse.ArgumentParser, option: str, reason: str) -> None:
+        command.add_argument(option, action=_Refuse, reason=reason, help=argparse.SUPPRESS)
 
-    demo = commands.add_parser(
+    def command(
+        name: str, run: Callable[[argparse.Namespace], int], *, live: bool = False, **options: Any
+    ) -> argparse.ArgumentParser:
+        """A command's parser, with ``run`` as its default. A live command (it follows engines'
+        streams: relay, record, watch) takes the sources and serves metrics; any other refuses
+        ``--metrics-port`` with the reason."""
+        parents = [log_format, metrics, sources] if live else [log_format]
+        added = commands.add_parser(name, parents=parents, **options)
+        added.set_defaults(run=run)
+        if not live:
+            refuse(added, "--metrics-port", f"kvbridge {name} serves no metrics ({_LIVE})")
+        return added
+
+    demo = command(
         "demo",
-        parents=[log_format],
+        run_demo,
         help="index a capture (the bundled sample by default) and print per-tier overlap",
     )
     demo.add_argument("capture", nargs="?", help="a .kvcap file (default: the bundled sample)")
     demo.add_argument(
         "--block-size", type=arguments.positive_int, help="override the capture's block size"
     )
-    no_metrics(demo, "demo")
-    demo.set_defaults(run=run_demo)
 
-    relay = commands.add_parser(
+    relay = command(
         "relay",
-        parents=[log_format, metrics, sources],
+        run_relay,
+        live=True,
         help="republish vLLM streams as canonical streams that unmodified Dynamo indexes",
         description="The i-th --source is republished on --publish's port + i (its replay on "
         "--publish-replay's port + i), as vLLM offsets dp ranks.",
@@ -179,11 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay buffer, in batches",
     )
     relay.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
-    relay.set_defaults(run=run_relay)
 
-    record = commands.add_parser(
+    record = command(
         "record",
-        parents=[log_format, metrics, sources],
+        run_record,
+        live=True,
         help="record live streams into a .kvcap capture",
     )
     record.add_argument("--out", required=True, metavar="FILE")
@@ -200,11 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompts of the traffic, as token ids, kept in the capture's header: a JSON "
         "list of token-id lists or of objects with token_ids (and a name)",
     )
-    record.set_defaults(run=run_record)
 
-    replay = commands.add_parser(
+    replay = command(
         "replay",
-        parents=[log_format],
+        run_replay,
         help="publish a capture's frames, one PUB socket per recorded stream",
         description="Each recorded stream gets a PUB socket of its own: the i-th on --publish's "
         "port + i, in the order the streams first appear in the capture. The log says which "
@@ -227,22 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="wait up to S seconds for a subscriber before sending (default 5)",
     )
-    no_metrics(replay, "replay")
-    replay.set_defaults(run=run_replay)
 
-    watch = commands.add_parser(
+    watch = command(
         "watch",
-        parents=[log_format, metrics, sources],
+        run_watch,
+        live=True,
         help="live view of workers: tiers, rates, recovery (needs the watch extra)",
     )
     watch.add_argument("--block-size", type=arguments.positive_int, required=True)
     watch.add_argument("--interval", type=arguments.positive_float, default=1.0, metavar="S")
     watch.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
-    watch.set_defaults(run=run_watch)
 
-    validate = commands.add_parser(
+    validate = command(
         "validate",
-        parents=[log_format],
+        run_validate,
         help="decode and normalize every frame of captures; exit 1 if any is invalid",
     )
     validate.add_argument("captures", nargs="*", metavar="CAPTURE")
@@ -293,18 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--json-schema", action="store_true", help="print the JSON Schema of the JSON report"
     )
-    no_metrics(validate, "validate")
-    validate.set_defaults(run=run_validate)
 
     schema = commands.add_parser(
         "schema", help="print the JSON Schema of every vLLM layout and Dynamo's"
     )
-    no_metrics(schema, "schema")
-    schema.add_argument(
-        "--log-format",
-        action=_Refuse,
-        reason="kvbridge schema writes no log",
-        help=argparse.SUPPRESS,
-    )
+    refuse(schema, "--metrics-port", f"kvbridge schema serves no metrics ({_LIVE})")
+    refuse(schema, "--log-format", "kvbridge schema writes no log")
     schema.set_defaults(run=run_schema, log_format="console")
     return parser

@@ -1,5 +1,6 @@
 """The router's state: Dynamo's ``SelectionService``, the replica registry, the reservations and
-the decisions (the registry and the reservations have modules of their own).
+the decisions (the registry and the reservations have modules of their own, and so do the forms
+of the service's requests and answers, :mod:`~kvbridge.ray_integration.selection_forms`).
 
 This lives in a module of its own because Ray pickles a request router's module *by value*: a
 service kept in the router's module would be copied into each process that unpickles the router,
@@ -23,22 +24,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import itertools
 import threading
 import time
-from array import array
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import structlog
 
 from kvbridge.adapters.selection_client import SelectionClient, SelectionServiceError
-from kvbridge.normalizers.hashing import block_seed, sequence_hashes, tokens_hash
 from kvbridge.ray_integration.decisions import Choice, Decision, NoChoice, RouterStats
 from kvbridge.ray_integration.registry import WorkerRegistry, worker_id_for
 from kvbridge.ray_integration.reservations import Reservation, Reservations
 from kvbridge.ray_integration.router_metrics import RouterMetrics
-from kvbridge.schemas import Overlap
+from kvbridge.ray_integration.selection_forms import (
+    pick_overlap,
+    precomputed_prompt,
+    ranking,
+    stored_blocks,
+)
 
 __all__ = [
     "Choice",
@@ -52,9 +55,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger("kvbridge.ray.router")
-
-TIER_CREDIT: Final = (1.0, 0.75, 0.25)
-"""Dynamo's credit per matched block on device, host and disk (its default weights)."""
 
 
 class RoutingState:
@@ -185,7 +185,8 @@ class RoutingState:
         if not workers:
             raise NoChoice("no_workers")
         selection_id = self.held.selection_id(request_id)
-        prompt = self._prompt(token_ids, lora_name)
+        assert self.block_size is not None  # pinned when the first worker registered
+        prompt = precomputed_prompt(token_ids, self.block_size, lora_name, self.model_name)
         request = {**prompt, "selection_id": selection_id, "allowed_worker_ids": list(workers)}
         # Shielded: a selection that answers after the timeout (or after the caller was
         # cancelled) has reserved load, which _free_late frees.
@@ -205,35 +206,6 @@ class RoutingState:
         self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
         return choice
 
-    def _prompt(self, token_ids: Sequence[int], lora_name: str | None) -> dict[str, Any]:
-        """The prompt in Dynamo's precomputed form: its blocks hashed here.
-
-        Dynamo converts a token list on the calling thread with the GIL held (about 0.4 ms for
-        8k tokens, some 50 ns a token), where hashing the blocks here from the packed ids
-        costs about 0.1 ms; the precomputed form is also what a moved reservation and the
-        ranking's ``overlap_scores`` take. Token ids from :func:`prompt_tokens` come packed
-        already (an ``array("I")``, the little-endian u32s Dynamo hashes on every supported
-        host, as :func:`kvbridge.normalizers.hashing.pack_tokens` assumes too): their bytes
-        are hashed block by block with no copy. kvbridge's hashes are Dynamo's bit for bit
-        (tests/test_hashing.py), LoRA name included.
-        """
-        assert self.block_size is not None  # pinned when the first worker registered
-        if not (isinstance(token_ids, array) and token_ids.typecode == "I"):
-            token_ids = array("I", token_ids)
-        packed = memoryview(token_ids).cast("B")
-        width = 4 * self.block_size
-        seed = block_seed(lora_name)
-        blocks = [
-            tokens_hash(packed[start : start + width], seed)
-            for start in range(0, len(packed) - width + 1, width)
-        ]
-        return {
-            "block_hashes": _as_i64(blocks),
-            "sequence_hashes": _as_i64(sequence_hashes(blocks)),
-            "isl_tokens": len(token_ids),
-            "model_name": self.model_name,
-        }
-
     async def _select(self, request: dict[str, Any]) -> Choice:
         """Select and reserve, one call."""
         # A free and a selection submitted after it run concurrently in the service; without
@@ -243,28 +215,9 @@ class RoutingState:
             await asyncio.wait(freeing)
         answer = await self.client.service.select_and_reserve(request)
         worker_id, dp_rank = int(answer["worker_id"]), int(answer["dp_rank"])
-        return Choice(
-            request["selection_id"], worker_id, dp_rank, [[worker_id]], self._overlap(answer)
-        )
-
-    def _overlap(self, answer: Mapping[str, Any]) -> Overlap:
-        """The pick's overlap in blocks, from ``select_and_reserve``'s answer (in tokens).
-
-        ``gpu``, ``cpu`` and ``disk`` are the picked worker's matched tokens, cumulative over
-        the tiers, as ``overlap_scores``' ``device_blocks``, ``host_pinned_blocks`` and
-        ``disk_blocks`` count them in blocks: in Dynamo 1.6.1 the two agreed on every pick of
-        a workload with host-pinned-only prefixes and of a worker with two dp ranks, and
-        ``tests/test_ray_router.py``'s CPU-tier assertions hold on these figures. ``dp`` gives
-        the device figure of each dp rank of the worker; the picked rank's is the one to report.
-        """
         assert self.block_size is not None
-        tokens = answer["overlap"]
-        device = int(tokens.get("dp", {}).get(str(answer["dp_rank"]), tokens["gpu"]))
-        return Overlap(
-            device // self.block_size,
-            int(tokens["cpu"]) // self.block_size,
-            int(tokens["disk"]) // self.block_size,
-        )
+        overlap = pick_overlap(answer, self.block_size)
+        return Choice(request["selection_id"], worker_id, dp_rank, [[worker_id]], overlap)
 
     async def _ranked(
         self, request_id: str, held: Reservation, workers: Mapping[int, str]
@@ -274,28 +227,15 @@ class RoutingState:
         the selection timeout, the others form one group, balanced by queue length."""
         if len(held.choice.ranking) > 1:
             return held.choice
-        picked = held.choice.worker_id
-        credit: dict[int, float] = {}
+        scores: Mapping[str, Any] | None = None
         try:
             scores = await asyncio.wait_for(
                 self.client.service.overlap_scores(held.prompt), self.select_timeout_s
             )
         except (TimeoutError, SelectionServiceError, ValueError) as error:
             log.warning("overlap_scores failed; others unranked", error=str(error))
-        else:
-            for entry in scores["workers"]:
-                tiers = Overlap(
-                    int(entry["device_blocks"]),
-                    int(entry["host_pinned_blocks"]),
-                    int(entry["disk_blocks"]),
-                )
-                wid = int(entry["worker_id"])
-                credit[wid] = max(credit.get(wid, 0.0), _credit(tiers))
-        others = sorted((w for w in workers if w != picked), key=lambda w: -credit.get(w, 0.0))
-        ranking = [[picked]] + [
-            list(group) for _, group in itertools.groupby(others, lambda w: credit.get(w, 0.0))
-        ]
-        choice = dataclasses.replace(held.choice, ranking=ranking)
+        ranked = ranking(held.choice.worker_id, workers, scores)
+        choice = dataclasses.replace(held.choice, ranking=ranked)
         self.held.rerank(request_id, held, choice)
         return choice
 
@@ -356,14 +296,7 @@ class RoutingState:
         (:attr:`RouterStats.token_checks`): its overlap in Dynamo's index, which the engine's
         own token ids fed, against the prompt's full blocks."""
         scores = await self.client.service.overlap_scores(prompt)
-        seen = max(
-            (
-                int(entry["host_pinned_blocks"])
-                for entry in scores["workers"]
-                if int(entry["worker_id"]) == worker_id
-            ),
-            default=0,
-        )
+        seen = stored_blocks(scores, worker_id)
         full = len(prompt["block_hashes"])
         outcome = "confirmed" if seen >= full else "partial" if seen else "unconfirmed"
         self.stats.token_checks[outcome] += 1
@@ -372,18 +305,6 @@ class RoutingState:
     def close(self) -> None:
         self.held.cancel_checks()  # on the service's loop, before it stops
         self.client.close()
-
-
-def _as_i64(values: list[int]) -> list[int]:
-    """u64 hashes as the signed i64 values Dynamo's precomputed form takes."""
-    return array("q", array("Q", values).tobytes()).tolist()
-
-
-def _credit(overlap: Overlap) -> float:
-    device, host, disk = overlap.device, overlap.host_pinned, overlap.disk
-    return (
-        TIER_CREDIT[0] * device + TIER_CREDIT[1] * (host - device) + TIER_CREDIT[2] * (disk - host)
-    )
 
 
 _STATES: dict[str, RoutingState] = {}

@@ -14,51 +14,34 @@ filter, ``DYN_LOG``, is read when Dynamo is first imported).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 from kvbridge._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from kvbridge.schemas import Overlap
-    from kvbridge.schemas.vllm import (
-        AllBlocksCleared,
-        BlockHash,
-        BlockRemoved,
-        BlockStored,
-        VllmBatch,
-    )
-    from kvbridge.testing.scheduler import Completion
-    from kvbridge.testing.simulated_engine import SimulatedEngine
-    from kvbridge.testing.synced_index import SyncedIndex
+    from kvbridge.schemas import Overlap as Overlap
+    from kvbridge.schemas.vllm import AllBlocksCleared as AllBlocksCleared
+    from kvbridge.schemas.vllm import BlockHash as BlockHash
+    from kvbridge.schemas.vllm import BlockRemoved as BlockRemoved
+    from kvbridge.schemas.vllm import BlockStored as BlockStored
+    from kvbridge.schemas.vllm import VllmBatch as VllmBatch
+    from kvbridge.testing.scheduler import Completion as Completion
+    from kvbridge.testing.simulated_engine import SimulatedEngine as SimulatedEngine
+    from kvbridge.testing.synced_index import SyncedIndex as SyncedIndex
 
-__all__ = [
-    "AllBlocksCleared",
-    "BlockHash",
-    "BlockRemoved",
-    "BlockStored",
-    "Completion",
-    "Overlap",
-    "SimulatedEngine",
-    "SyncedIndex",
-    "VllmBatch",
-]
-
-_MODULE_OF: Final = {
-    "AllBlocksCleared": "kvbridge.schemas.vllm",
-    "BlockHash": "kvbridge.schemas.vllm",
-    "BlockRemoved": "kvbridge.schemas.vllm",
-    "BlockStored": "kvbridge.schemas.vllm",
-    "Completion": "kvbridge.testing.scheduler",
-    "Overlap": "kvbridge.schemas",
-    "SimulatedEngine": "kvbridge.testing.simulated_engine",
-    "SyncedIndex": "kvbridge.testing.synced_index",
-    "VllmBatch": "kvbridge.schemas.vllm",
-}
-
-
-_import_public_name, __dir__ = lazy_names(__name__, globals(), _MODULE_OF)
-
-
-if not TYPE_CHECKING:
-    # Hidden from type checkers, which read the imports above (see kvbridge/__init__.py).
-    __getattr__ = _import_public_name
+lazy_names(
+    globals(),
+    {
+        "kvbridge.schemas": ["Overlap"],
+        "kvbridge.schemas.vllm": [
+            "AllBlocksCleared",
+            "BlockHash",
+            "BlockRemoved",
+            "BlockStored",
+            "VllmBatch",
+        ],
+        "kvbridge.testing.scheduler": ["Completion"],
+        "kvbridge.testing.simulated_engine": ["SimulatedEngine"],
+        "kvbridge.testing.synced_index": ["SyncedIndex"],
+    },
+)

@@ -6,23 +6,16 @@ docs/simulator.md."""
 from __future__ import annotations
 
 import random
-import re
 import time
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Final, Self
+from typing import Final
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, should_bind
 from kvbridge.adapters.source import Source
-from kvbridge.schemas.vllm import (
-    BlockHash,
-    Event,
-    Layout,
-    VllmBatch,
-    decode_batch,
-    encode_batch,
-    layout_for,
-)
+from kvbridge.schemas.vllm import decode_batch, encode_batch
+from kvbridge.schemas.vllm.layouts import Layout, layout_for, release_key
+from kvbridge.schemas.vllm.types import BlockHash, Event, VllmBatch
 from kvbridge.testing.cpu_tier import CpuTier
 from kvbridge.testing.gpu_pool import GpuPool
 from kvbridge.testing.scheduler import Completion, Scheduler
@@ -30,17 +23,8 @@ from kvbridge.testing.vllm_hashes import checked_token_ids, none_hash, published
 
 __all__ = ["SimulatedEngine"]
 
-_RELEASE: Final = re.compile(r"^v?(\d+(?:\.\d+)*)")
 
-
-def _release_key(release: str) -> tuple[int, ...]:
-    match = _RELEASE.match(release.strip())
-    if match is None:
-        raise ValueError(f"not a vLLM release: {release!r}")
-    return tuple(int(part) for part in match[1].split("."))
-
-
-class SimulatedEngine:
+class SimulatedEngine(ClosedOnExit):
     """A vLLM engine in miniature: a prefix-cached GPU block pool (and optionally a CPU offload
     tier) that publishes vLLM's KV events over ZMQ, with a replay socket.
 
@@ -115,7 +99,7 @@ class SimulatedEngine:
                 f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
             )
         layout = layout_for(release)
-        version = _release_key(release)
+        version = release_key(release)
         if bytes_hashes and version < (0, 10, 2):
             raise ValueError(f"vLLM {release} publishes int hashes only (bytes from 0.10.2)")
         if cpu_blocks is not None and version < (0, 11):
@@ -365,17 +349,6 @@ class SimulatedEngine:
         """Close the sockets. Idempotent."""
         self._closed = True
         self._publisher.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Any, Final, Self
+from typing import Final, Self
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.tiered_index import Overlap, TieredIndex
-from kvbridge.schemas.tiers import Tier
 from kvbridge.testing.simulated_engine import SimulatedEngine
 
 __all__ = ["SyncedIndex"]
@@ -21,7 +20,7 @@ _STEP_MS: Final = 20
 """How long one relay step waits for frames, bounding how fast the relay thread parks or stops."""
 
 
-class SyncedIndex(TieredIndex):
+class SyncedIndex(TieredIndex, ClosedOnExit):
     """A :class:`~kvbridge.adapters.tiered_index.TieredIndex` fed live from simulated engines.
 
     A background thread runs a :class:`~kvbridge.adapters.relay.Relay` that subscribes to every
@@ -157,16 +156,8 @@ class SyncedIndex(TieredIndex):
 
     # ------------------------------------------------------------------ reads
 
-    def overlap(
-        self,
-        token_ids: Sequence[int],
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> dict[tuple[int, int], Overlap]:
-        """:meth:`TieredIndex.overlap`, after :meth:`sync`."""
+    def _before_read(self) -> None:
         self.sync()
-        return super().overlap(token_ids, lora_name=lora_name, cache_salt=cache_salt)
 
     def engine_overlap(
         self, token_ids: Sequence[int], engine: SimulatedEngine | None = None
@@ -180,21 +171,6 @@ class SyncedIndex(TieredIndex):
         key = (self._worker_ids[id(engine)], engine.dp_rank)
         return self.overlap(token_ids).get(key, Overlap())
 
-    def resident(self, worker_id: int, dp_rank: int = 0) -> dict[Tier, int]:
-        """:meth:`TieredIndex.resident`, after :meth:`sync`."""
-        self.sync()
-        return super().resident(worker_id, dp_rank)
-
-    def workers(self) -> list[tuple[int, int]]:
-        """:meth:`TieredIndex.workers`, after :meth:`sync`."""
-        self.sync()
-        return super().workers()
-
-    def dump(self) -> dict[str, list[dict[str, Any]]]:
-        """:meth:`TieredIndex.dump`, after :meth:`sync`."""
-        self.sync()
-        return super().dump()
-
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
@@ -207,14 +183,3 @@ class SyncedIndex(TieredIndex):
             self._cond.notify_all()
         self._thread.join()
         self._relay.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

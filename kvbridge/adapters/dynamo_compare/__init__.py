@@ -24,26 +24,12 @@ The modules, in the order a comparison runs: :mod:`.recorded` reads the captures
 causes, :mod:`.compare` replays and diffs, :mod:`.report` holds the report and its text.
 """
 
+from kvbridge.adapters.dynamo_compare import report
 from kvbridge.adapters.dynamo_compare.compare import compare_captures
 from kvbridge.adapters.dynamo_compare.recorded import first_block_size
-from kvbridge.adapters.dynamo_compare.report import (
-    Cause,
-    DynamoComparison,
-    PromptOverlap,
-    ResidentDiff,
-    TierCounts,
-    WorkerOverlap,
-    render_comparison,
-)
 
-__all__ = [
-    "Cause",
-    "DynamoComparison",
-    "PromptOverlap",
-    "ResidentDiff",
-    "TierCounts",
-    "WorkerOverlap",
-    "compare_captures",
-    "first_block_size",
-    "render_comparison",
-]
+# The report's names, as its own __all__ lists them.
+from kvbridge.adapters.dynamo_compare.report import *  # noqa: F403
+
+__all__ = ["compare_captures", "first_block_size"]
+__all__ += report.__all__

@@ -169,12 +169,12 @@ def _tally(causes: Mapping[Key, str], place: tuple[int, int, str]) -> dict[str, 
 
 
 def _causes(
-    keys: Sequence[Key], side: Mapping[Key, int | None], known: Mapping[Key, str]
-) -> dict[Key, str]:
+    keys: Sequence[Key], side: Mapping[Key, int | None], known: Mapping[Key, Cause]
+) -> dict[Key, Cause]:
     """The cause of each differing block: its own, else that of its nearest differing
     ancestor (looked up on its tier, then on the device tier), else unexplained."""
     differing = set(keys)
-    result: dict[Key, str] = {}
+    result: dict[Key, Cause] = {}
     for key in keys:
         chain = []
         current: Key | None = key

@@ -60,8 +60,8 @@ class Ledger:
         """(tier, content) -> (worker, engine hash) of its first writer."""
         self.foreign: set[tuple[int, int]] = set()
         """(worker, engine hash) of blocks Dynamo credits under another worker's hash."""
-        self.missing: dict[Key, str] = {}
-        self.stale: dict[Key, str] = {}
+        self.missing: dict[Key, Cause] = {}
+        self.stale: dict[Key, Cause] = {}
 
     def observe(self, worker_id: int, batch: VllmBatch) -> None:
         """One raw batch of a worker, in stream order."""
@@ -106,7 +106,7 @@ class Ledger:
 
     def _store_cause(
         self, worker: int, event: BlockStored, parent: int | None, rejected: bool
-    ) -> str | None:
+    ) -> Cause | None:
         """Why Dynamo would not store this event's blocks as kvbridge does, if it would not."""
         if rejected:
             return Cause.BYTES_HASHES

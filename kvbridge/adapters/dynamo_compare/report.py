@@ -7,7 +7,7 @@ the schema ``kvbridge validate --json-schema`` prints.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from enum import StrEnum
 
 import msgspec
 
@@ -22,28 +22,28 @@ __all__ = [
 ]
 
 
-class Cause:
+class Cause(StrEnum):
     """Why Dynamo alone holds a block differently, as kvbridge knows it from the raw events."""
 
-    BYTES_HASHES: Final = "bytes_hashes"
+    BYTES_HASHES = "bytes_hashes"
     """The batch had bytes hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, or offload
     events before vLLM 0.24): Dynamo's decoder rejects the whole batch."""
-    PLACEHOLDER: Final = "placeholder_cpu_event"
+    PLACEHOLDER = "placeholder_cpu_event"
     """An OffloadingConnector placeholder (no tokens, block size 0): Dynamo drops it for its
     block size; kvbridge resolves it through the GPU block of the same engine hash."""
-    MEDIUM_SPELLING: Final = "unknown_case_medium"
+    MEDIUM_SPELLING = "unknown_case_medium"
     """A medium Dynamo knows only in another spelling (``cpu`` from Mooncake or LMCache,
     ``FS`` / ``OBJ`` from vLLM 0.26): Dynamo drops the event."""
-    RE_ANNOUNCED: Final = "re_announced_chunk"
+    RE_ANNOUNCED = "re_announced_chunk"
     """A removal of a block stored more than once on the tier (self-describing offload chunks
     re-announce shared blocks): Dynamo does not reference-count and removes it."""
-    SECOND_ENGINE: Final = "second_engine_hashes"
+    SECOND_ENGINE = "second_engine_hashes"
     """A worker that stored content another worker had stored under other hashes: Dynamo keeps
     the first writer's hash, so this worker's children of it fail and its removals do nothing."""
-    RAW_CACHE_SALT: Final = "raw_cache_salt"
+    RAW_CACHE_SALT = "raw_cache_salt"
     """A cache salt without Dynamo's ``dynamo-cache-salt:`` prefix: Dynamo indexes the blocks
     unsalted, so the salted blocks are missing and unsalted ones are stale."""
-    UNEXPLAINED: Final = "unexplained"
+    UNEXPLAINED = "unexplained"
     """A difference none of the above accounts for (a case kvbridge does not model yet)."""
 
 

@@ -14,47 +14,19 @@ where they are known). :func:`decode_batch` raises nothing else for any payload.
 
 The package's modules each have one job: :mod:`~kvbridge.schemas.vllm.types` (the event types),
 :mod:`~kvbridge.schemas.vllm.layouts` (the per-release table), :mod:`~kvbridge.schemas.vllm.decode`
-and :mod:`~kvbridge.schemas.vllm.encode`.
+(the entry point, over the one-pass :mod:`~kvbridge.schemas.vllm.fast_decode` and the
+event-by-event :mod:`~kvbridge.schemas.vllm.event_decode`, which reads headers with
+:mod:`~kvbridge.schemas.vllm.msgpack_headers`) and :mod:`~kvbridge.schemas.vllm.encode`.
 """
 
+from kvbridge.schemas.vllm import layouts, types
 from kvbridge.schemas.vllm.decode import decode_batch
 from kvbridge.schemas.vllm.encode import encode_batch
-from kvbridge.schemas.vllm.layouts import (
-    LAYOUTS,
-    REMOVED_FIELDS,
-    STORED_FIELDS,
-    Layout,
-    layout_for,
-    layout_types,
-)
-from kvbridge.schemas.vllm.types import (
-    MAX_NESTING,
-    U32,
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    TokenId,
-    VllmBatch,
-)
 
-__all__ = [
-    "LAYOUTS",
-    "MAX_NESTING",
-    "REMOVED_FIELDS",
-    "STORED_FIELDS",
-    "U32",
-    "AllBlocksCleared",
-    "BlockHash",
-    "BlockRemoved",
-    "BlockStored",
-    "Event",
-    "Layout",
-    "TokenId",
-    "VllmBatch",
-    "decode_batch",
-    "encode_batch",
-    "layout_for",
-    "layout_types",
-]
+# The table's and the types' names, as their own __all__ lists them.
+from kvbridge.schemas.vllm.layouts import *  # noqa: F403
+from kvbridge.schemas.vllm.types import *  # noqa: F403
+
+__all__ = ["decode_batch", "encode_batch"]
+__all__ += layouts.__all__
+__all__ += types.__all__

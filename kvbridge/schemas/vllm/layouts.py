@@ -18,12 +18,14 @@ import msgspec
 from kvbridge.schemas.vllm.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
+    "LAST_ARRAY_LAYOUT",
     "LAYOUTS",
     "REMOVED_FIELDS",
     "STORED_FIELDS",
     "Layout",
     "layout_for",
     "layout_types",
+    "release_key",
 ]
 
 
@@ -72,23 +74,33 @@ LAYOUTS: Final[tuple[Layout, ...]] = (
 )
 """Every distinct layout, oldest first. Each adds fields at the end of the previous one."""
 
+LAST_ARRAY_LAYOUT: Final = [layout for layout in LAYOUTS if layout.encoding == "array"][-1]
+"""The newest layout of positional arrays: array events never carried the fields after its
+own (the map-only fields, ``locality`` and after)."""
 
-_RELEASE = re.compile(r"^v?(\d+(?:\.\d+)*)")
+
+_RELEASE: Final = re.compile(r"^v?(\d+(?:\.\d+)*)")
 
 
-def _version_key(version: str) -> tuple[int, ...]:
-    match = _RELEASE.match(version.strip())
+def release_key(release: str) -> tuple[int, ...]:
+    """A vLLM release's number as a tuple that orders releases (``"v0.25.2"`` and ``"0.25.2"``
+    give ``(0, 25, 2)``; a suffix such as ``rc1`` is ignored).
+
+    Raises:
+        ValueError: ``release`` does not start with a release number.
+    """
+    match = _RELEASE.match(release.strip())
     if match is None:
-        raise ValueError(f"not a vLLM release: {version!r}")
+        raise ValueError(f"not a vLLM release: {release!r}")
     return tuple(int(part) for part in match[1].split("."))
 
 
 def layout_for(release: str) -> Layout:
     """The layout a vLLM release publishes: that of the newest table row it is not older than
     (``"0.21.0"``, ``"v0.25.2"``, ``"0.9.0rc1"``; releases past the table get the newest)."""
-    key = _version_key(release)
+    key = release_key(release)
     for layout in reversed(LAYOUTS):
-        if key >= _version_key(layout.first):
+        if key >= release_key(layout.first):
             return layout
     raise ValueError(f"vLLM {release} publishes no KV events (they start at 0.9.0)")
 

@@ -79,6 +79,14 @@ class BlockStored(_WireEvent, tag="BlockStored"):
         """An offload-tier store that names a chunk by hash only, without tokens or parent."""
         return not self.token_ids
 
+    @property
+    def tokens_short(self) -> bool:
+        """Whether the tokens cannot fill the blocks (a placeholder has none to check): such a
+        store is invalid, and decoding refuses it."""
+        return bool(self.token_ids) and (
+            self.block_size == 0 or len(self.token_ids) < len(self.block_hashes) * self.block_size
+        )
+
 
 class BlockRemoved(_WireEvent, tag="BlockRemoved"):
     """Blocks that left one medium."""

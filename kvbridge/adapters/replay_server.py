@@ -1,0 +1,284 @@
+"""The replay side of a :class:`~kvbridge.adapters.publisher.Publisher`: what it keeps of its
+stream and how it answers vLLM's replay requests.
+
+It is a module of its own because it is a job of its own, with its own thread and socket: the
+publisher's live stream only appends to a :class:`ReplayBuffer`, while a :class:`ReplaySocket`
+(one bound ROUTER socket) answers requests from that buffer, or from a snapshot for a request
+older than the buffer, on whichever thread serves replays. A :class:`ReplayServer` serves the
+ROUTER sockets of many publishers from one thread.
+
+A request is ``[identity, b"", start_seq8]`` (a DEALER sends ``[b"", start_seq8]``). The answer
+is every buffered batch whose seq is >= ``start_seq``, oldest first, followed by an end marker;
+the frame layouts are in :mod:`kvbridge.adapters.replay_protocol`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Final, Self
+
+import zmq
+
+from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
+
+if TYPE_CHECKING:
+    from kvbridge.adapters.publisher import Publisher
+
+__all__ = ["ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
+
+_REPLAY_POLL_MS: Final[int] = 50
+"""How long a replay thread waits per poll, bounding how fast it stops."""
+
+
+def last_endpoint(socket: zmq.Socket[bytes]) -> str:
+    """Return the address ``socket`` last bound or connected to, with ephemeral ports resolved."""
+    value = socket.getsockopt(zmq.LAST_ENDPOINT)
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)
+
+
+class ReplayBuffer:
+    """The last ``buffer_steps`` batches of a stream, with their seqs, and the seq of the next.
+
+    The publishing thread appends and the replay thread reads, so a lock guards it.
+    """
+
+    def __init__(self, buffer_steps: int, first_seq: int) -> None:
+        self._lock = threading.Lock()
+        self._batches: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = first_seq
+        self.snapshot: Callable[[], tuple[int, list[bytes]] | None] | None = None
+        """Called on the replay thread for a request older than the buffer: ``(next_seq,
+        payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
+        ``None`` (then the buffer is replayed as usual)."""
+        self.snapshots_served = 0
+        """Replay requests answered with a snapshot."""
+
+    @property
+    def next_seq(self) -> int:
+        """The seq :meth:`append` without an explicit ``seq`` will use."""
+        with self._lock:
+            return self._next_seq
+
+    def append(self, payload: bytes, seq: int | None) -> int:
+        """Keep ``payload`` under ``seq`` (by default the next one) and return the seq used;
+        the next one is ``seq + 1``."""
+        with self._lock:
+            used = self._next_seq if seq is None else seq
+            self._next_seq = used + 1
+            self._batches.append((used, payload))
+        return used
+
+    def restart(self) -> None:
+        """Forget every batch; the next seq is 0, as after an engine restart."""
+        with self._lock:
+            self._next_seq = 0
+            self._batches.clear()
+
+    def answer(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """The ``(seq, payload)`` batches that answer a request from ``start_seq``: the buffered
+        ones from there on, preceded by the snapshot's payloads if the request is older than
+        the buffer and there is a snapshot."""
+        with self._lock:
+            batches = self._batches
+            older = start_seq < (batches[0][0] if batches else self._next_seq)
+        answer: list[tuple[int, bytes]] = []
+        snapshot = self.snapshot() if older and self.snapshot is not None else None
+        if snapshot is not None:
+            # Numbered from the seq asked for (Dynamo's listener calls a replay that starts
+            # later "incomplete"); the buffered batches from the snapshot's point follow. A
+            # listener re-applies the live batches it holds after them: replaying a suffix of
+            # the stream on top of its result changes nothing.
+            next_seq, payloads = snapshot
+            answer = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
+            start_seq = max(next_seq, start_seq + len(payloads))
+            self.snapshots_served += 1
+        with self._lock:
+            answer += [(seq, payload) for seq, payload in self._batches if seq >= start_seq]
+        return answer
+
+
+class ReplaySocket:
+    """A bound ROUTER socket that answers replay requests from a :class:`ReplayBuffer`.
+
+    The socket belongs to whoever serves replays: the caller of :meth:`serve`, or, once
+    :meth:`start_thread` or a :class:`ReplayServer` has taken it, that thread alone.
+
+    Raises:
+        zmq.ZMQError: the socket could not bind.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        buffer: ReplayBuffer,
+        *,
+        topic: bytes,
+        topic_frame: bool,
+        buffer_steps: int,
+    ) -> None:
+        self.buffer: Final = buffer
+        """The batches the answers come from."""
+        self._topic: Final = topic
+        self._topic_frame: Final = topic_frame
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._server: ReplayServer | None = None
+        self._socket: zmq.Socket[bytes] | None = context.socket(zmq.ROUTER)
+        try:
+            self._socket.setsockopt(zmq.LINGER, 0)
+            # vLLM 0.33: room for a full replay plus its end marker.
+            self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            self._socket.bind(endpoint)
+            self.endpoint: Final = last_endpoint(self._socket)
+            """The actual bound address (ephemeral ports resolved)."""
+        except BaseException:
+            self.close()
+            raise
+
+    def serve(self, timeout_ms: int = 0) -> int:
+        """Answer the replay requests waiting on the socket.
+
+        Waits up to ``timeout_ms`` for a first request (0: do not wait; negative: wait forever),
+        then serves it and every other request already queued. A request that is not exactly
+        ``[identity, b"", start_seq8]`` (8-byte seq) is ignored.
+
+        Returns:
+            The number of requests served (0 once closed).
+
+        Raises:
+            RuntimeError: a replay thread owns the socket and this is another thread.
+        """
+        router = self._socket
+        if router is None:
+            return 0
+        owner = self._thread
+        if owner is not None and threading.current_thread() is not owner:
+            raise RuntimeError("replays are served by the background thread")
+        if not router.poll(None if timeout_ms < 0 else timeout_ms, zmq.POLLIN):
+            return 0
+        served = 0
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return served
+            request = parse_request(frames)
+            if request is None:
+                continue
+            self._answer(router, *request)
+            served += 1
+
+    def _answer(self, router: zmq.Socket[bytes], identity: bytes, start_seq: int) -> None:
+        """Send ``identity`` the answer from ``start_seq`` on, then the end marker."""
+        # A ROUTER never blocks on send: beyond SNDHWM (or for a vanished peer) it drops.
+        topic_frame = self._topic_frame
+        for seq, payload in self.buffer.answer(start_seq):
+            router.send_multipart(
+                answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
+            )
+        router.send_multipart(end_frames(identity, topic_frame=topic_frame))
+
+    def adopt(self, thread: threading.Thread, server: ReplayServer | None) -> zmq.Socket[bytes]:
+        """Give the socket to ``thread`` (run by ``server``, if given) and return it, for that
+        thread's poller.
+
+        Raises:
+            RuntimeError: a thread has the socket already, or it is closed.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the replay thread is already running")
+        if self._socket is None:
+            raise RuntimeError("the replay socket is closed")
+        self._thread = thread
+        self._server = server
+        return self._socket
+
+    def start_thread(self) -> None:
+        """Serve replays from a daemon thread of this socket's own until :meth:`stop`.
+
+        Raises:
+            RuntimeError: a thread has the socket already, or it is closed.
+        """
+        thread = threading.Thread(target=self._loop, name="kv-replay", daemon=True)
+        self.adopt(thread, None)
+        thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.serve(_REPLAY_POLL_MS)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+
+    def stop(self) -> None:
+        """Stop the thread that serves this socket (its own or its server's); the socket stays
+        open. Idempotent."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.close()  # it serves this socket: stop it before the socket closes
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def close(self) -> None:
+        """Close the socket (linger 0), after :meth:`stop`. Idempotent."""
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+
+class ReplayServer:
+    """Serves the replay ROUTERs of many publishers from one thread, with one poller.
+
+    :meth:`~kvbridge.adapters.publisher.Publisher.start_replay_thread` runs a thread per
+    publisher; a relay with 1,000 outputs would run 1,000 threads, each waking
+    every 50 ms. This one thread sleeps in a single ``zmq_poll`` over every ROUTER and answers
+    whichever has requests. Each publisher's ROUTER then belongs to this thread (as after
+    ``start_replay_thread``); closing any of the publishers stops the server, so close them all
+    together (or :meth:`close` first).
+
+    Raises:
+        RuntimeError: a publisher has no replay socket, is closed, or already has a replay
+            thread.
+    """
+
+    def __init__(self, publishers: Iterable[Publisher]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-replays", daemon=True)
+        self._poller = zmq.Poller()
+        self._sockets: dict[zmq.Socket[bytes], ReplaySocket] = {}
+        for publisher in publishers:
+            replays = publisher.replay_socket()
+            router = replays.adopt(self._thread, self)
+            self._sockets[router] = replays
+            self._poller.register(router, zmq.POLLIN)
+
+    def start(self) -> Self:
+        """Start serving; returns the server."""
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        sockets = self._sockets
+        while not self._stop.is_set():
+            try:
+                for router, _ in self._poller.poll(_REPLAY_POLL_MS):
+                    sockets[router].serve(0)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+
+    def close(self) -> None:
+        """Stop the thread (within ``_REPLAY_POLL_MS``). Idempotent; the sockets stay open."""
+        self._stop.set()
+        thread = self._thread
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join()
