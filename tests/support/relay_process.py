@@ -23,10 +23,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvbridge._closing import ClosedOnExit
 
 __all__ = [
     "RelayProcess",
@@ -131,7 +131,7 @@ def start_kvbridge(*args: str, env: Mapping[str, str] | None = None) -> subproce
     )
 
 
-class RelayProcess:
+class RelayProcess(ClosedOnExit):
     """``kvbridge relay`` in a subprocess, ready once its metrics endpoint answers.
 
     ``args`` are the relay's arguments after ``relay`` (``--metrics-port`` is added). Its log
@@ -195,14 +195,3 @@ class RelayProcess:
         """SIGTERM, then SIGKILL after 5 s. Idempotent."""
         stop_process(self.process)
         self._log.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from dynamo.llm.exceptions import SelectionServiceError
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.selection_client import SelectionClient
 
@@ -49,7 +49,7 @@ def wait_connected(publisher: Publisher, count: int = 1, timeout: float = 5.0) -
         raise TimeoutError(f"no subscriber connected to {publisher.endpoint} within {timeout}s")
 
 
-class SelectionHarness:
+class SelectionHarness(ClosedOnExit):
     """A real ``SelectionService`` driven from synchronous test code (through
     :class:`kvbridge.adapters.selection_client.SelectionClient`).
 
@@ -178,14 +178,3 @@ class SelectionHarness:
     def close(self) -> None:
         """Shut the service down and stop its loop thread. Idempotent."""
         self.client.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

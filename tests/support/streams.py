@@ -17,10 +17,10 @@ on every tier.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from kvbridge import TieredIndex
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Source
@@ -121,7 +121,7 @@ def kvbridge_overlap(index: TieredIndex, tokens: Sequence[int], **kwargs: Any) -
     }
 
 
-class WorkerStream:
+class WorkerStream(ClosedOnExit):
     """One worker: a Publisher per dp rank, registered with the service, and a pipeline
     (one source per rank, one Normalizer for the worker) into ``index``."""
 
@@ -202,14 +202,3 @@ class WorkerStream:
     def close(self) -> None:
         for pub in self.publishers.values():
             pub.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -31,13 +31,13 @@ import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import msgspec
 import pytest
 import zmq
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.ports import port_free
 
 __all__ = [
@@ -168,7 +168,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 # --------------------------------------------------------------------------- the server
 
 
-class VllmServer:
+class VllmServer(ClosedOnExit):
     """vLLM's OpenAI API server with KV events on ``events_port`` (replay ROUTER on
     ``replay_port``), block size 32 and a 64-block pool. Its log goes to ``log_path``.
 
@@ -379,17 +379,6 @@ class VllmServer:
             problems.append(f"ports still held: {held}")
         return problems
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 # --------------------------------------------------------------------------- raw events
 
@@ -408,7 +397,7 @@ class KvMessage:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-class KvEventListener:
+class KvEventListener(ClosedOnExit):
     """A ZMQ SUB on the engine's KV-event PUB, in a thread; every message kept in order."""
 
     def __init__(self, endpoint: str) -> None:
@@ -512,14 +501,3 @@ class KvEventListener:
         self._thread.join(5)
         self._socket.close()
         self._context.term()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
