@@ -10,7 +10,7 @@ use crate::decode::{decode, Arena, Batch, Event, Removed, SchemaError, Stored};
 use crate::hashing::{block_seed, identifier_hash, sequence_hash, tokens_hash, DYNAMO_SALT_PREFIX};
 use crate::media::{tier_for_medium, Tier};
 use crate::msgpack::{write, Item, Reader};
-use crate::output::{Body, OutEvent, Output};
+use crate::output::{Body, OutEvent, Output, Store};
 use crate::state::{map, Map, Rank, Slot, MAX_CONTEXTS};
 
 /// Why a block (or a clear) was not forwarded.
@@ -929,14 +929,14 @@ impl Normalizer {
             dp_rank,
             tier,
             event_id,
-            body: Body::Stored {
+            body: Body::Stored(Store {
                 parent: rank.parent(first),
                 blocks: blocks_start..out.blocks.len(),
                 tokens: tokens_start..out.token_msgpack.len(),
                 token_count,
                 lora_name: context.lora_name,
                 cache_salt: context.cache_salt,
-            },
+            }),
         });
     }
 

@@ -13,21 +13,25 @@ use crate::msgpack::write;
 /// What a canonical event says.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Body {
-    /// A chain of blocks that just became resident; lists are ranges of the [`Output`].
-    Stored {
-        parent: Option<u64>,
-        /// (canonical block hash, tokens hash) per block.
-        blocks: Range<usize>,
-        /// The msgpack of the token ids, a range of [`Output::token_msgpack`].
-        tokens: Range<usize>,
-        token_count: usize,
-        lora_name: Option<Arc<str>>,
-        cache_salt: Option<Arc<str>>,
-    },
+    /// A chain of blocks that just became resident.
+    Stored(Store),
     /// Canonical hashes whose last copy on the tier went.
     Removed { hashes: Range<usize> },
     /// Everything of the rank on the tier went.
     Cleared,
+}
+
+/// A chain of blocks that just became resident; lists are ranges of the [`Output`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Store {
+    pub parent: Option<u64>,
+    /// (canonical block hash, tokens hash) per block.
+    pub blocks: Range<usize>,
+    /// The msgpack of the token ids, a range of [`Output::token_msgpack`].
+    pub tokens: Range<usize>,
+    pub token_count: usize,
+    pub lora_name: Option<Arc<str>>,
+    pub cache_salt: Option<Arc<str>>,
 }
 
 /// One Dynamo event for one (dp rank, tier).
@@ -106,48 +110,41 @@ impl Output {
 
     fn write_canonical_event(&self, out: &mut Vec<u8>, event: &OutEvent, block_size: u64) {
         match &event.body {
-            Body::Stored {
-                parent,
-                blocks,
-                tokens,
-                token_count,
-                lora_name,
-                cache_salt,
-            } => {
-                let salt = cache_salt.as_deref().filter(|salt| !salt.is_empty());
+            Body::Stored(store) => {
+                let salt = store.cache_salt.as_deref().filter(|salt| !salt.is_empty());
                 out.extend_from_slice(if salt.is_some() {
                     canonical::STORED_HEAD_SALTED
                 } else {
                     canonical::STORED_HEAD
                 });
-                write::array(out, blocks.len());
-                for (hash, _) in &self.blocks[blocks.clone()] {
+                write::array(out, store.blocks.len());
+                for (hash, _) in &self.blocks[store.blocks.clone()] {
                     write::hash(out, *hash);
                 }
                 out.extend_from_slice(canonical::PARENT);
-                match parent {
-                    Some(parent) => write::hash(out, *parent),
+                match store.parent {
+                    Some(parent) => write::hash(out, parent),
                     None => write::nil(out),
                 }
                 out.extend_from_slice(canonical::TOKEN_IDS);
-                write::array(out, *token_count);
-                out.extend_from_slice(&self.token_msgpack[tokens.clone()]);
+                write::array(out, store.token_count);
+                out.extend_from_slice(&self.token_msgpack[store.tokens.clone()]);
                 out.extend_from_slice(canonical::BLOCK_SIZE);
                 write::uint(out, block_size);
                 out.extend_from_slice(canonical::LORA_ID_MEDIUM);
                 out.extend_from_slice(canonical::MEDIUM[event.tier as usize]);
                 out.extend_from_slice(canonical::LORA_NAME);
-                match lora_name {
+                match &store.lora_name {
                     Some(name) => write::str(out, name),
                     None => write::nil(out),
                 }
                 if let Some(salt) = salt {
                     // Dynamo reads each event's salt from its first block's extra keys.
                     write::str(out, "extra_keys");
-                    write::array(out, blocks.len());
+                    write::array(out, store.blocks.len());
                     write::array(out, 1);
                     write::str(out, &format!("{DYNAMO_SALT_PREFIX}{salt}"));
-                    for _ in 1..blocks.len() {
+                    for _ in 1..store.blocks.len() {
                         write::nil(out);
                     }
                 }
@@ -172,7 +169,7 @@ impl Output {
         let mut out = Vec::with_capacity(64 + self.events.len() * 96 + self.token_msgpack.len());
         write::array(&mut out, self.events.len());
         for event in &self.events {
-            let stored = matches!(event.body, Body::Stored { .. });
+            let stored = matches!(event.body, Body::Stored(_));
             write::map(&mut out, if stored { 7 } else { 4 }, 7);
             write::str(&mut out, "worker_id");
             write::uint(&mut out, worker_id);
@@ -186,25 +183,18 @@ impl Output {
             write::uint(&mut out, event.event_id);
             write::str(&mut out, "data");
             match &event.body {
-                Body::Stored {
-                    parent,
-                    blocks,
-                    tokens,
-                    token_count,
-                    lora_name,
-                    cache_salt,
-                } => {
+                Body::Stored(store) => {
                     write::map(&mut out, 1, 2);
                     write::str(&mut out, "stored");
                     write::map(&mut out, 2, 3);
                     write::str(&mut out, "parent_hash");
-                    match parent {
-                        Some(parent) => write::uint(&mut out, *parent),
+                    match store.parent {
+                        Some(parent) => write::uint(&mut out, parent),
                         None => write::nil(&mut out),
                     }
                     write::str(&mut out, "blocks");
-                    write::array(&mut out, blocks.len());
-                    for (hash, tokens_hash) in &self.blocks[blocks.clone()] {
+                    write::array(&mut out, store.blocks.len());
+                    for (hash, tokens_hash) in &self.blocks[store.blocks.clone()] {
                         write::map(&mut out, 2, 3);
                         write::str(&mut out, "block_hash");
                         write::uint(&mut out, *hash);
@@ -213,12 +203,12 @@ impl Output {
                     }
                     write_event_tail(&mut out, event.dp_rank);
                     write::str(&mut out, "token_ids");
-                    write::array(&mut out, *token_count);
-                    out.extend_from_slice(&self.token_msgpack[tokens.clone()]);
+                    write::array(&mut out, store.token_count);
+                    out.extend_from_slice(&self.token_msgpack[store.tokens.clone()]);
                     write::str(&mut out, "lora_name");
-                    write_opt_str(&mut out, lora_name.as_deref());
+                    write_opt_str(&mut out, store.lora_name.as_deref());
                     write::str(&mut out, "cache_salt");
-                    write_opt_str(&mut out, cache_salt.as_deref());
+                    write_opt_str(&mut out, store.cache_salt.as_deref());
                 }
                 Body::Removed { hashes } => {
                     write::map(&mut out, 1, 2);
