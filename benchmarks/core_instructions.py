@@ -116,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no variant's name contains {args.variant!r}")
     core_loop = build_core_loop()
     print("instructions per block (cachegrind; one pass = two passes less one)")
-    print(f"{'variant':<26}{'decode':>8}{'+state':>8}{'+canon.':>8}{'(a)':>8}{'(d)':>8}{'(d)/(a)':>9}")
+    print(
+        f"{'variant':<26}{'decode':>8}{'+state':>8}{'+canon.':>8}{'(a)':>8}{'(d)':>8}{'(d)/(a)':>9}"
+    )
     with tempfile.TemporaryDirectory() as scratch:
         runner = Path(scratch) / "runner.py"
         runner.write_text(PYTHON_RUNNER)
