@@ -73,8 +73,13 @@ def write_payloads(path: Path, block_size: int, payloads: Sequence[bytes]) -> No
 def instructions(command: Sequence[str]) -> int:
     """The instructions cachegrind counts for one run of ``command``."""
     result = subprocess.run(
-        ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
-        + list(command),
+        [
+            "valgrind",
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            "--cachegrind-out-file=/dev/null",
+            *command,
+        ],
         capture_output=True,
         text=True,
         check=True,
