@@ -87,3 +87,25 @@ def test_distinct_salts_past_the_cap_compact_or_drop() -> None:
     assert normalizer.normalize(encoded([chain(401, 2, salt="s6")], dp_rank=None), 13) == []
     assert normalizer.stats["state_cap"] == 2
     assert normalizer.resident_blocks(0, Tier.DEVICE) == 3
+
+
+def test_after_every_block_is_removed_the_state_holds_only_its_retained_blocks() -> None:
+    """A mass eviction leaves the retained blocks and nothing of the rest: by the core's own
+    count, no more than the per-block bound (4 bytes per token and 48) for each of them.
+
+    38,000 blocks and 5,000 retained: the state compacts whenever half of its slots are free,
+    last at 9,500 slots, so the last 4,500 removals would leave 4,500 free slots behind (nearly
+    half) if a state with no live block did not compact as well."""
+    block_size, retain, chain_length, chains = 16, 5_000, 40, 950
+    normalizer = Normalizer(1, block_size, retain_evicted=retain)
+    for step in range(chains):
+        hashes = list(range(1 + step * chain_length, 1 + (step + 1) * chain_length))
+        tokens = [token % 150_000 for token in range(hashes[0] * 16, (hashes[-1] + 1) * 16)]
+        normalizer.normalize(encoded([stored(hashes, tokens, block_size=block_size)]), step)
+    assert normalizer.tracked_blocks() == (chains * chain_length, 0)
+    for step in range(chains):
+        hashes = list(range(1 + step * chain_length, 1 + (step + 1) * chain_length))
+        normalizer.normalize(encoded([removed(hashes)]), chains + step)
+    assert normalizer.tracked_blocks() == (0, retain)
+    assert normalizer.resident_blocks(0, Tier.DEVICE) == 0
+    assert normalizer.heap_bytes() <= retain * (4 * block_size + 48)

@@ -674,11 +674,15 @@ impl Rank {
         self.retired = self.retired_queue();
     }
 
-    /// Moves the blocks down over the free slots once most slots are free, so that the state
-    /// shrinks back after a mass eviction.
+    /// Moves the blocks down over the free slots once most slots are free, or once no block
+    /// is live and an eighth are free (what is left is the retained blocks), so that the
+    /// state shrinks back to what it holds after a mass eviction. Each compaction follows at
+    /// least an eighth of the slots' frees: its cost, linear in the slots, is amortized.
     fn compact_if_sparse(&mut self) {
         let slots = self.blocks.len();
-        if slots < 4096 || self.free.len() * 2 < slots {
+        let free = self.free.len();
+        let sparse = free * 2 >= slots || (self.live == 0 && free * 8 >= slots);
+        if slots < 4096 || !sparse {
             return;
         }
         let keep: Vec<Slot> = (0..slots as Slot)
