@@ -120,7 +120,8 @@ def throughput(axes: Any, runs: Sequence[dict[str, Any]]) -> None:
         f"variant)\nlabels: speed-up over pure Python; kvbridge {host['commit']}",
         fontsize=10,
     )
-    axes.legend(fontsize=8, loc="upper left")
+    axes.set_ylim(0, axes.get_ylim()[1] * 1.3)  # room for the legend above the bars' labels
+    axes.legend(fontsize=8, loc="upper left", ncol=2)
     axes.grid(axis="y", alpha=0.3)
 
 
