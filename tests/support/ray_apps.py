@@ -182,6 +182,8 @@ class SimulatedReplica(KVEventsReplica):
         with self._lock:
             tokens = [token + self.token_shift for token in prompt_token_ids]
             completion = self.engines[rank].generate(tokens, max_tokens)
+            published = sum(engine.total_published for engine in self.engines)
+        self._wait_relayed(published)
         return {
             "replica": self.replica_id,
             "actor": self.actor_name,
@@ -190,6 +192,14 @@ class SimulatedReplica(KVEventsReplica):
             "gpu_hit": completion.num_cached_tokens,
             "cpu_hit": completion.num_external_tokens,
         }
+
+    def _wait_relayed(self, published: int, timeout_s: float = 5.0) -> None:
+        """Waits (at most ``timeout_s``) until the relay has taken in every batch the engines
+        published, so that an answer leaves after its request's events: the next request's
+        routing decision then races only Dynamo's own ingest, not a busy machine's relay."""
+        deadline = time.monotonic() + timeout_s
+        while self.kv_relay.stats.batches_in < published and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def __del__(self) -> None:
         for engine in self.engines:
