@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvbridge import Normalizer, Tier, TieredEvent, decode_batch
+from kvbridge import DropReason, Normalizer, Tier, TieredEvent, decode_batch
 from kvbridge.normalizers.hashing import engine_hash_u64, sequence_hashes, tokens_hashes
 from kvbridge.schemas.kv_cache_event import (
     EventData,
@@ -19,8 +19,8 @@ from kvbridge.schemas.kv_cache_event import (
     StoredBlock,
     StoredData,
 )
-from kvbridge.schemas.vllm import AllBlocksCleared
-from kvbridge.testing.events import batch, placeholder, removed, stored
+from kvbridge.schemas.vllm import AllBlocksCleared, encode_batch, layout_for
+from kvbridge.testing.events import batch, encoded, placeholder, removed, stored
 
 BS = 4
 WORKER = 7
@@ -761,3 +761,49 @@ def test_a_duplicate_inside_a_chain_keeps_each_block_its_own_tokens() -> None:
     out = norm.normalize(batch([stored([11, 11, 12], toks(0, 3))]), 1)
     assert [event.token_ids for event in out] == [toks(0, 1) + toks(2, 3)]
     assert norm.stats == Counter({"duplicate_store": 1})
+
+
+def _widened(payload: bytes, tokens: list[int]) -> bytes:
+    """``payload`` with its one token list (fixints) rewritten in wider integer forms, each
+    id the same value: uint16, uint32 and uint8 in turn, as another encoder may write them."""
+    shortest = bytes([0x90 | len(tokens), *tokens])
+    assert payload.count(shortest) == 1 and all(token < 0x80 for token in tokens)
+    wide = bytearray([0x90 | len(tokens)])
+    for index, token in enumerate(tokens):
+        wide += (
+            bytes([0xCD, 0, token]),
+            bytes([0xCE, 0, 0, 0, token]),
+            bytes([0xCC, token]),
+        )[index % 3]
+    return payload.replace(shortest, bytes(wide))
+
+
+def test_token_ids_in_wider_forms_go_out_as_in_their_shortest() -> None:
+    """The output copies a store's token ids as the input wrote them only when each is in its
+    shortest form; ids in wider forms are written again, so both writers' bytes do not depend
+    on the encoder upstream."""
+    tokens = list(range(1, 13))
+    payload = encode_batch(batch([stored([11, 12, 13], tokens)]), layout_for("0.32.0"))
+    outputs = []
+    for variant in (payload, _widened(payload, tokens)):
+        result = Normalizer(WORKER, BS).process(variant, 5)
+        outputs.append((result.canonical_payloads(1.5), result.events))
+    assert outputs[0] == outputs[1]
+    [canonical], events = outputs[0]
+    assert decode_batch(canonical).events[0].token_ids == tokens  # type: ignore[union-attr]
+    assert events[0].token_ids == tokens
+
+
+def test_a_store_split_around_a_resident_block_carries_each_runs_own_tokens() -> None:
+    """Blocks 1 and 3 of a chain come back while block 2 is still resident: two runs, each
+    with its own block's tokens (taken from the event, not copied whole)."""
+    normalizer = Normalizer(WORKER, BS)
+    chain = [21, 22, 23]
+    normalizer.normalize(encoded([stored(chain, TOKENS[:12])]), 1)
+    normalizer.normalize(encoded([removed([21]), removed([23])]), 2)
+    result = normalizer.process(encoded([stored(chain, TOKENS[:12])]), 3)
+    assert [event.token_ids for event in result.events] == [TOKENS[:4], TOKENS[8:12]]
+    [canonical] = result.canonical_payloads(1.5)
+    stores = decode_batch(canonical).events
+    assert [event.token_ids for event in stores] == [TOKENS[:4], TOKENS[8:12]]  # type: ignore[union-attr]
+    assert normalizer.stats[DropReason.DUPLICATE_STORE] == 1

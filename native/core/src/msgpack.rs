@@ -553,7 +553,7 @@ impl<'a> Reader<'a> {
 /// item in it (a map counts its keys and values) and whether it is a map. `None` if nothing
 /// nests that deep, or if the bytes are malformed or end first.
 ///
-/// The walk reads one value, as `kvbridge.schemas.vllm._too_deep` does: a container's length
+/// The walk reads one value, as `kvbridge.schemas.vllm.msgpack_headers.nesting_path` does: a container's length
 /// is not checked against the bytes left, and a container past the limit is refused as soon
 /// as its first byte is read.
 pub fn too_deep(data: &[u8]) -> Option<Vec<(usize, bool)>> {

@@ -160,12 +160,13 @@ pub struct Normalizer {
     arena: Arena,
     /// Buffers reused from event to event: the slots a removal evicts, the canonical hashes
     /// a run of removals takes off a tier, a store's blocks, the run of them going out, the
-    /// bytes a block is hashed from.
+    /// bytes a block is hashed from, the tokens a store reads back from the state.
     evicted: Vec<Slot>,
     gone: Vec<u64>,
     slots: Vec<(Slot, u64)>,
     run: Vec<(Slot, u64)>,
     hash_scratch: Vec<u8>,
+    token_scratch: Vec<u32>,
     pub counters: Counters,
     logged: u16,
     pub first_drops: Vec<FirstDrop>,
@@ -210,6 +211,7 @@ impl Normalizer {
             slots: Vec::new(),
             run: Vec::new(),
             hash_scratch: Vec::new(),
+            token_scratch: Vec::new(),
             counters: Counters::default(),
             logged: 0,
             first_drops: Vec::new(),
@@ -887,7 +889,7 @@ impl Normalizer {
     /// [`Normalizer::make_resident`].
     #[allow(clippy::too_many_arguments)]
     fn push_store(
-        &self,
+        &mut self,
         rank: &Rank,
         dp_rank: u32,
         event_id: u64,
@@ -917,11 +919,12 @@ impl Normalizer {
                 }
             }
             None => {
-                let mut ids = Vec::with_capacity(token_count);
+                let ids = &mut self.token_scratch;
+                ids.clear();
                 for &(slot, _) in run {
-                    rank.read_tokens(slot, &mut ids);
+                    rank.read_tokens(slot, ids);
                 }
-                write::small_uints(&mut out.token_msgpack, &ids);
+                write::small_uints(&mut out.token_msgpack, ids);
             }
         }
         let context = self.context_of(rank.context(first)).clone();
