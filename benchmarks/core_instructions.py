@@ -1,7 +1,7 @@
 """Instructions per block of the native core and of msgspec's untyped decoding, counted by
 cachegrind: figures that, unlike the clock, do not move with the machine's load.
 
-    python benchmarks/core_instructions.py                  # every variant, about 2 minutes
+    python benchmarks/core_instructions.py                  # every variant, about 3 minutes
     python benchmarks/core_instructions.py --variant bs32
 
 On the payloads of ``benchmarks/normalize.py`` (same simulator, seed and variants), each

@@ -119,7 +119,9 @@ class _Collector:
         yield from _families(relay.stats, relay.output_stats)
 
     def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:
-        own: Counter[BadFrame] = self.relay.stats.bad_frames if self.relay else Counter()
+        own: Counter[BadFrame] = (
+            self.relay.stats.bad_frames if self.relay is not None else Counter()
+        )
         bad = _counter("kvbridge_bad_frames_total", ["reason"])
         for reason, count in (*own.items(), *subscriber.stats.bad_frames.items()):
             bad.add_metric([reason.value], count)

@@ -3,7 +3,7 @@ batches a stream missed, within bounds, and turning what cannot be had into rese
 
 One DEALER per source, opened on its first replay, speaks both reply layouts (without a topic
 frame before vLLM 0.26, with one after; :mod:`~kvbridge.adapters.replay_protocol` has the
-frames). Its three uses:
+frames). Its two uses, and the bounds on one answer:
 
 - **recovery** (:meth:`ReplayClient.recover`): a gap, or the start of a stream, is filled from
   the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout) is

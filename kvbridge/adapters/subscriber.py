@@ -61,6 +61,7 @@ from typing import Final
 import structlog
 import zmq
 
+from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_BYTES,
@@ -114,7 +115,7 @@ def _recv_frames(socket: zmq.Socket[bytes]) -> list[bytes] | None:
     return frames
 
 
-class Subscriber:
+class Subscriber(ClosedOnExit):
     """Receives vLLM KV-event frames from several publishers and keeps each stream whole."""
 
     def __init__(
@@ -146,7 +147,7 @@ class Subscriber:
         """Every source's counts: messages, gaps, replays, losses, restarts, bad frames by
         :class:`~kvbridge.adapters.stream_stats.BadFrame`..."""
         self._warn = LogLimiter(log.warning)
-        self.replay = ReplayClient(
+        self.replay_client = ReplayClient(
             self.context,
             self.stats,
             self._warn,
@@ -160,7 +161,11 @@ class Subscriber:
         )
         """Gap replays and publisher checks, over a DEALER per source."""
         self._sequencer = Sequencer(
-            self.stats, self._warn, self.replay, max_frame_bytes=max_frame_bytes, max_gap=max_gap
+            self.stats,
+            self._warn,
+            self.replay_client,
+            max_frame_bytes=max_frame_bytes,
+            max_gap=max_gap,
         )
         self._poller = zmq.Poller()
         self._streams: dict[zmq.Socket[bytes], StreamState] = {}
@@ -239,7 +244,7 @@ class Subscriber:
         while self._starting:
             stream = self._starting.pop(0)
             if stream.last is None:
-                out.extend(self.replay.recover(stream, 0, None))
+                out.extend(self.replay_client.recover(stream, 0, None))
         events = self._poller.poll(timeout_ms)
         for socket, _ in events:
             monitored = self._monitors.get(socket)
@@ -316,9 +321,3 @@ class Subscriber:
         self._streams.clear()
         self._monitors.clear()
         self._order.clear()
-
-    def __enter__(self) -> Subscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -53,7 +53,8 @@ class _Checked(argparse._StoreAction):
     """``store``, once :meth:`refusal` has nothing against this occurrence of the option."""
 
     def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
-        """Why this occurrence is refused, or ``None`` to store its value."""
+        """Why this occurrence is refused, or ``None`` to store its value. Called once per
+        occurrence, so a subclass may record the occurrence here."""
         return None
 
     def __call__(
@@ -73,6 +74,7 @@ class _Once(_Checked):
     """``store``, except that a second occurrence is an error rather than the last one winning."""
 
     def refusal(self, namespace: argparse.Namespace, option_string: str | None) -> str | None:
+        # Records this option as given (in the namespace's ``_given``), for the next occurrence.
         seen: set[str] = namespace.__dict__.setdefault("_given", set())
         if option_string is not None and self.dest in seen:
             return "given more than once (it takes one value)"
