@@ -808,7 +808,6 @@ fn token_list<'a>(
     };
     let start = arena.tokens.len();
     let items_start = reader.position();
-    arena.tokens.reserve(len.min(reader.left()));
     let mut element = 0;
     let mut shortest = true;
     while element < len {
@@ -1147,7 +1146,6 @@ mod fast {
                         let len = reader.array_header()?;
                         let start = arena.tokens.len();
                         let items_start = reader.position();
-                        arena.tokens.reserve(len.min(reader.left()));
                         let read = reader.small_uints(len, &mut arena.tokens);
                         (read.count == len).then_some(())?;
                         stored.tokens = start..arena.tokens.len();
@@ -1206,12 +1204,7 @@ mod fast {
             return Some(None);
         }
         let bytes = reader.str_bytes()?;
-        let common = match bytes.len() {
-            3 => &COMMON[..2],
-            14 => &COMMON[2..],
-            _ => &[],
-        };
-        if let Some(&common) = common.iter().find(|known| same(known.as_bytes(), bytes)) {
+        if let Some(&common) = COMMON.iter().find(|known| same(known.as_bytes(), bytes)) {
             return Some(Some(common));
         }
         std::str::from_utf8(bytes).ok().map(Some)

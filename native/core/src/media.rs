@@ -67,12 +67,6 @@ pub fn tier_for_medium(medium: Option<&str>) -> Option<Tier> {
     let Some(medium) = medium else {
         return Some(Tier::Device);
     };
-    // What vLLM sends, before the table.
-    match medium {
-        "GPU" => return Some(Tier::Device),
-        "CPU" => return Some(Tier::HostPinned),
-        _ => {}
-    }
     lookup(medium).or_else(|| lookup(&medium.to_uppercase()))
 }
 

@@ -113,6 +113,9 @@ const SMALL_UINT: [(u8, u8, u32); 256] = {
     table
 };
 
+/// How many token ids [`Reader::small_uints`] makes room for at once.
+const SMALL_UINTS_CHUNK: usize = 256;
+
 /// The width of an integer below 2**32 in its shortest msgpack form, less one.
 #[inline(always)]
 fn shortest_extra_width(value: u32) -> u32 {
@@ -296,32 +299,37 @@ impl<'a> Reader<'a> {
     pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> SmallUints {
         let data = self.data;
         let mut pos = self.pos;
-        // Every token takes a byte at least: room for all that can be there, written by index
-        // (no capacity check per token), and cut to what was read.
         let start = out.len();
         let room = count.min(data.len() - pos);
-        out.resize(start + room, 0);
-        let values = &mut out[start..];
         let mut done = 0;
-        // Eight bytes are read for every token whatever its width (the widest is 5): the last
-        // few tokens of a payload take the general path.
-        while done < room {
-            let Some(chunk) = data.get(pos..).and_then(<[u8]>::first_chunk::<8>) else {
-                break;
-            };
-            let word = u64::from_be_bytes(*chunk);
-            let (width, shift, mask) = SMALL_UINT[(word >> 56) as usize];
-            if width == 0 {
-                break;
+        // Written by index (no capacity check per token) into room made a chunk at a time, so
+        // that a list whose items mostly take the general path, which calls this again after
+        // each, does not zero the rest of the list every time.
+        'chunks: while done < room {
+            let chunk = (room - done).min(SMALL_UINTS_CHUNK);
+            out.resize(start + done + chunk, 0);
+            let values = &mut out[start + done..];
+            for value in values.iter_mut() {
+                // Eight bytes are read for every token whatever its width (the widest is 5):
+                // the last few tokens of a payload take the general path.
+                let Some(bytes) = data.get(pos..).and_then(<[u8]>::first_chunk::<8>) else {
+                    break 'chunks;
+                };
+                let word = u64::from_be_bytes(*bytes);
+                let (width, shift, mask) = SMALL_UINT[(word >> 56) as usize];
+                if width == 0 {
+                    break 'chunks;
+                }
+                *value = (word >> shift) as u32 & mask;
+                pos += usize::from(width);
+                done += 1;
             }
-            values[done] = (word >> shift) as u32 & mask;
-            pos += usize::from(width);
-            done += 1;
         }
+        out.truncate(start + done);
         // No form is shorter than the shortest: the widths add up to the shortest's exactly
         // when each is its value's shortest (a separate pass, which vectorizes).
         // (Summed in u32, which vectorizes, by chunks that cannot overflow it.)
-        let extra: usize = values[..done]
+        let extra: usize = out[start..]
             .chunks(1 << 28)
             .map(|chunk| {
                 chunk
@@ -331,7 +339,6 @@ impl<'a> Reader<'a> {
             })
             .sum();
         let shortest = extra + done == pos - self.pos;
-        out.truncate(start + done);
         self.pos = pos;
         SmallUints {
             count: done,

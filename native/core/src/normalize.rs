@@ -227,6 +227,11 @@ impl Normalizer {
         normalizer
     }
 
+    /// How many (LoRA name, cache salt) contexts the table may hold.
+    fn context_cap(&self) -> usize {
+        self.limits.max_contexts.clamp(1, MAX_CONTEXTS)
+    }
+
     /// Live blocks over every rank.
     fn live_blocks(&self) -> usize {
         self.ranks.values().map(Rank::live_count).sum()
@@ -317,7 +322,7 @@ impl Normalizer {
         }
         current.remap_contexts(&remap);
         self.counters.context_compactions += 1;
-        self.contexts.len() < self.limits.max_contexts.clamp(1, MAX_CONTEXTS)
+        self.contexts.len() < self.context_cap()
     }
 
     /// The canonical events of one payload. A payload that does not decode changes nothing.
@@ -472,8 +477,7 @@ impl Normalizer {
         if let Some(id) = self.context_ids.get(&key) {
             return Some(*id);
         }
-        let cap = self.limits.max_contexts.clamp(1, MAX_CONTEXTS);
-        if self.contexts.len() >= cap && !self.compact_contexts(current) {
+        if self.contexts.len() >= self.context_cap() && !self.compact_contexts(current) {
             return None;
         }
         let id = self.contexts.len() as u32;
@@ -511,7 +515,7 @@ impl Normalizer {
         for event in &batch.events {
             match event {
                 Event::Removed(removed) => {
-                    let Some(tier) = self.admit_removal(&mut rank, removed, arena) else {
+                    let Some(tier) = self.admit_removal(&mut rank, removed) else {
                         continue;
                     };
                     if gone_tier != Some(tier) && !gone.is_empty() {
@@ -575,12 +579,7 @@ impl Normalizer {
         self.counters.dropped[action as usize][tier as usize][reason as usize] += count;
     }
 
-    fn admit_removal(
-        &mut self,
-        rank: &mut Rank,
-        removed: &Removed<'_>,
-        _arena: &Arena,
-    ) -> Option<Tier> {
+    fn admit_removal(&mut self, rank: &mut Rank, removed: &Removed<'_>) -> Option<Tier> {
         let blocks = removed.hashes.len() as u64;
         let verdict = self.judge(
             rank,

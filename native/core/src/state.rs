@@ -437,11 +437,6 @@ impl Rank {
         self.blocks[owner as usize].refs != [0; 4]
     }
 
-    /// Whether a tier holds any block of the rank.
-    pub fn holds_any(&self, tier: Tier) -> bool {
-        self.resident[tier as usize] > 0
-    }
-
     /// The blocks resident on a tier.
     pub fn resident(&self, tier: Tier) -> usize {
         self.resident[tier as usize]

@@ -88,31 +88,27 @@ impl PyNormalizer {
         let output = py
             .detach(|| inner.normalize(payload, seq, reset_first))
             .map_err(payload_error)?;
-        self.publish_first_drops(py)?;
-        Ok(self.wrap(output))
+        self.wrap(py, output)
     }
 
     /// Forgets one rank (or all) and returns the clears that undo it downstream.
     #[pyo3(signature = (dp_rank=None))]
     fn reset(&mut self, py: Python<'_>, dp_rank: Option<u32>) -> PyResult<PyOutput> {
         let output = self.inner.reset(dp_rank);
-        self.publish_first_drops(py)?;
-        Ok(self.wrap(output))
+        self.wrap(py, output)
     }
 
     /// Clears one rank downstream after a loss, keeping its blocks' identities (see
     /// `Normalizer::reset_lost`).
     fn reset_lost(&mut self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
         let output = self.inner.reset_lost(dp_rank);
-        self.publish_first_drops(py)?;
-        Ok(self.wrap(output))
+        self.wrap(py, output)
     }
 
     /// A clear of one rank, then a store of every block it holds, tier by tier.
     fn snapshot(&mut self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
         let output = self.inner.snapshot(dp_rank);
-        self.publish_first_drops(py)?;
-        Ok(self.wrap(output))
+        self.wrap(py, output)
     }
 
     /// Blocks announced again after a loss, because stores named them as ancestors.
@@ -231,12 +227,14 @@ impl PyNormalizer {
         Ok(())
     }
 
-    fn wrap(&self, output: Output) -> PyOutput {
-        PyOutput {
+    /// The Python face of an output, once the drops it recorded first are published.
+    fn wrap(&mut self, py: Python<'_>, output: Output) -> PyResult<PyOutput> {
+        self.publish_first_drops(py)?;
+        Ok(PyOutput {
             output,
             worker_id: self.inner.worker_id,
             block_size: self.inner.block_size as u64,
-        }
+        })
     }
 }
 
