@@ -84,6 +84,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from percentiles import percentile
 from procs import free_port, pin, subscriber
 
 from kvbridge.adapters.relay import Relay
@@ -231,12 +232,6 @@ def decisions(router: Router, seconds: float, period: float) -> Timings:
         # would hold the GIL for good, which is not the router this stands for.
         scheduled = max(scheduled + period, finished + period / 2)
     return timings
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 # -- the relays --------------------------------------------------------------------------------

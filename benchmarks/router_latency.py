@@ -68,7 +68,6 @@ import gc
 import importlib.util
 import json
 import logging
-import math
 import platform
 import pstats
 import random
@@ -88,6 +87,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import structlog
 import zmq
+from percentiles import percentile
 from ray.serve._private.common import (
     DeploymentHandleSource,
     DeploymentID,
@@ -101,6 +101,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.ray_integration import DynamoKVRouter
+from kvbridge.ray_integration.advert import RAY_LLM_STATS_KEY
 from kvbridge.ray_integration.decisions import Release
 from kvbridge.ray_integration.routing import close_routing_states, worker_id_for
 from kvbridge.testing import SimulatedEngine
@@ -200,7 +201,7 @@ def ray_llm_stats(endpoint: str, replay_endpoint: str | None) -> dict[str, Any]:
         "max_num_batched_tokens": PROMPT_TOKENS,
         "dp_rank": 0,
     }
-    return {"kv_event_metadata": metadata}
+    return {RAY_LLM_STATS_KEY: metadata}
 
 
 def build_fleet(stack: ExitStack, count: int, rng: random.Random) -> Fleet:
@@ -468,12 +469,6 @@ async def measure(
             if round_ >= warmup:
                 times[name].append(elapsed)
     return times
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 @dataclass(frozen=True)

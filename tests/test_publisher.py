@@ -19,7 +19,8 @@ import xxhash
 import zmq
 from support.selection_harness import SelectionHarness, wait_connected
 
-from kvbridge.adapters.publisher import Publisher, should_bind
+from kvbridge.adapters.endpoints import should_bind
+from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.replay_protocol import END_SEQ
 
 LOCAL = "tcp://127.0.0.1:0"

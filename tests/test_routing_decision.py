@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from kvbridge.adapters.tiered_index import Overlap
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState, worker_id_for
+from kvbridge.schemas import Overlap
 from kvbridge.testing import SimulatedEngine
 
 BLOCK = 16

@@ -9,7 +9,7 @@ transports:
 - ``inproc://NAME`` (only inside one process, so the command line refuses it).
 
 Without a prefix, a KV-event source follows vLLM's own rule for ``KVEventsConfig.endpoint``
-(:func:`~kvbridge.adapters.publisher.should_bind`): a wildcard host (or ``ipc://``) means the
+(:func:`should_bind`): a wildcard host (or ``ipc://``) means the
 engine binds and kvbridge connects, on 127.0.0.1 for ``*``; any other address means the engine
 connects, so kvbridge binds it. ``connect:tcp://10.1.2.3:5557`` subscribes to a remote engine
 that binds; ``bind:`` says the opposite. A replay endpoint of a source is always connected to
@@ -31,8 +31,6 @@ from typing import Final, Literal
 import msgspec
 import structlog
 
-from kvbridge.adapters.publisher import should_bind
-
 __all__ = [
     "SILENCE_AFTER_S",
     "Endpoint",
@@ -41,6 +39,7 @@ __all__ = [
     "SilenceWatch",
     "clash",
     "parse_endpoint",
+    "should_bind",
 ]
 
 Mode = Literal["bind", "connect"]
@@ -59,6 +58,16 @@ _LOOPBACK_NAMES: Final = frozenset(("localhost", "127.0.0.1"))
 _SYNTAX: Final = "expected tcp://HOST:PORT or ipc://PATH, optionally after bind: or connect:"
 
 log = structlog.get_logger("kvbridge.endpoints")
+
+
+def should_bind(endpoint: str) -> bool:
+    """Return whether vLLM would *bind* its PUB socket to ``endpoint`` (otherwise it connects)."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
 
 
 class EndpointError(ValueError):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -42,10 +42,12 @@ from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats
-from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.normalizers import Normalizer
 from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.schemas import SchemaError, VllmBatch
+
+if TYPE_CHECKING:
+    from kvbridge.adapters.tiered_index import TieredIndex
 
 __all__ = [
     "EventSink",

@@ -45,9 +45,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
+from kvbridge.adapters.endpoints import should_bind
 from kvbridge.adapters.replay_server import ReplayBuffer, ReplaySocket, last_endpoint
 
-__all__ = ["DEFAULT_BUFFER_STEPS", "Publisher", "should_bind"]
+__all__ = ["DEFAULT_BUFFER_STEPS", "Publisher"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
@@ -59,23 +60,13 @@ _MAX_SEQ: Final[int] = 2**64 - 2
 _SNDMORE: Final[int] = int(zmq.SNDMORE)
 
 
-def should_bind(endpoint: str) -> bool:
-    """Return whether vLLM would *bind* its PUB socket to ``endpoint`` (otherwise it connects)."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
-
-
 class Publisher(ClosedOnExit):
     """Publishes [topic, seq8, payload] frames on a PUB socket and serves replays on a ROUTER
     socket, the way a vLLM engine does.
 
     Args:
-        endpoint: PUB address. Bound or connected according to vLLM's rule (:func:`should_bind`)
-            unless ``bind`` says otherwise.
+        endpoint: PUB address. Bound or connected according to vLLM's rule
+            (:func:`~kvbridge.adapters.endpoints.should_bind`) unless ``bind`` says otherwise.
         replay_endpoint: ROUTER address, always bound. ``None`` (the default) means no replay
             socket, as in vLLM.
         topic: frame 0 of every live message (and of 0.26+ replay replies).

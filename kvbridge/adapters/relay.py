@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 import zmq
@@ -65,8 +65,10 @@ from kvbridge.adapters.replay_server import ReplayServer
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.stream_stats import OutputStats, PipelineStats
 from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES, Subscriber
-from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.normalizers.batch import NormalizedBatch
+
+if TYPE_CHECKING:
+    from kvbridge.adapters.tiered_index import TieredIndex
 
 __all__ = ["Relay", "offset_endpoint"]
 

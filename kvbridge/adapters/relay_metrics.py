@@ -7,15 +7,14 @@ counters into metric families when Prometheus scrapes, so the hot path pays noth
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.adapters.stream_stats import (
-    BadFrame,
     OutputStats,
     PipelineStats,
     SubscriberStats,
+    bad_frames,
     exported,
 )
 from kvbridge.schemas.tiers import Tier
@@ -119,11 +118,9 @@ class _Collector:
         yield from _families(relay.stats, relay.output_stats)
 
     def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:
-        own: Counter[BadFrame] = (
-            self.relay.stats.bad_frames if self.relay is not None else Counter()
-        )
+        own = () if self.relay is None else (self.relay.stats,)
         bad = _counter("kvbridge_bad_frames_total", ["reason"])
-        for reason, count in (*own.items(), *subscriber.stats.bad_frames.items()):
+        for reason, count in bad_frames(*own, subscriber.stats).items():
             bad.add_metric([reason.value], count)
         yield bad
         yield from _families(subscriber.stats)

@@ -10,7 +10,8 @@ from typing import Literal
 
 import msgspec
 
-from kvbridge.adapters.publisher import should_bind
+from kvbridge.adapters.endpoints import should_bind
+from kvbridge.adapters.replay_protocol import seq8
 
 __all__ = ["Message", "Source", "StreamReset", "connect_address"]
 
@@ -51,7 +52,7 @@ class Message(msgspec.Struct, frozen=True):
 
     @property
     def frames(self) -> list[bytes]:
-        return [self.topic, self.seq.to_bytes(8, "big"), self.payload]
+        return [self.topic, seq8(self.seq), self.payload]
 
 
 class StreamReset(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ __all__ = [
     "OutputStats",
     "PipelineStats",
     "SubscriberStats",
+    "bad_frames",
     "exported",
 ]
 
@@ -71,6 +72,15 @@ def exported(
         how = counter.metadata.get(_EXPORTED)
         if how is not None:
             yield how, getattr(stats, counter.name)
+
+
+def bad_frames(*stats: SubscriberStats | PipelineStats) -> Counter[BadFrame]:
+    """The frames skipped, by reason, over the subscriber's and the pipeline's counts (which
+    never share a reason)."""
+    total: Counter[BadFrame] = Counter()
+    for counts in stats:
+        total.update(counts.bad_frames)
+    return total
 
 
 @dataclass

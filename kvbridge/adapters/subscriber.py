@@ -310,14 +310,8 @@ class Subscriber(ClosedOnExit):
             self._attach(stream)
 
     def close(self) -> None:
-        for stream in self._streams.values():
-            if stream.monitor is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    stream.socket.disable_monitor()
-                stream.monitor.close(0)
-            stream.socket.close(0)
+        for stream in list(self._streams.values()):
+            self._detach(stream)
             if stream.dealer is not None:
                 stream.dealer.close(0)
-        self._streams.clear()
-        self._monitors.clear()
         self._order.clear()

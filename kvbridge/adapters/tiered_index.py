@@ -27,10 +27,10 @@ from kvbridge.schemas.kv_cache_event import (
     StoredBlock,
     StoredData,
 )
-from kvbridge.schemas.overlap import Overlap  # re-exported: it used to live here
+from kvbridge.schemas.overlap import Overlap
 from kvbridge.schemas.tiers import Tier, TieredEvent
 
-__all__ = ["LEVELS", "Overlap", "TieredIndex"]
+__all__ = ["LEVELS", "TieredIndex"]
 
 LEVELS: Final = ("device", "host_pinned", "disk")
 """The cumulative levels, each including the ones before it."""

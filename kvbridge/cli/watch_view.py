@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import bad_frames
 from kvbridge.cli.usage import MissingExtra
 from kvbridge.cli.validation import BENIGN
 from kvbridge.schemas.tiers import Tier
@@ -210,10 +211,7 @@ class WatchView:
         subscriber = self.relay.subscriber.stats
         bad = {
             reason.value: count
-            for reason, count in (
-                *self.relay.stats.bad_frames.items(),
-                *subscriber.bad_frames.items(),
-            )
+            for reason, count in bad_frames(self.relay.stats, subscriber).items()
         }
         drops: Counter[str] = Counter()
         for worker in self.relay.workers.values():

@@ -22,7 +22,7 @@ from typing import Final
 
 from ray.util.metrics import Counter, Histogram
 
-from kvbridge.adapters.tiered_index import Overlap
+from kvbridge.schemas import Overlap
 
 __all__ = ["RouterMetrics"]
 

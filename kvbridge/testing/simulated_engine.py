@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Final
 
 from kvbridge._closing import ClosedOnExit
-from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher, should_bind
+from kvbridge.adapters.endpoints import should_bind
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.vllm import decode_batch, encode_batch
 from kvbridge.schemas.vllm.layouts import Layout, layout_for, release_key

@@ -11,7 +11,8 @@ from typing import Final, Self
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.tiered_index import Overlap, TieredIndex
+from kvbridge.adapters.tiered_index import TieredIndex
+from kvbridge.schemas import Overlap
 from kvbridge.testing.simulated_engine import SimulatedEngine
 
 __all__ = ["SyncedIndex"]

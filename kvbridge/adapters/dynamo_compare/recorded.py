@@ -10,8 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from kvbridge.adapters.capture import CaptureReader, FrameRecord, Prompt
-from kvbridge.adapters.pipeline import record_source
+from kvbridge.adapters.capture import CaptureReader, FrameRecord, Prompt, capture_streams
 from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
 __all__ = ["Stream", "decoded", "first_block_size", "load_streams"]
@@ -61,16 +60,11 @@ def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]
     size = block_size or reader.meta.get("block_size") or _records_block_size(records) or 0
     if records and not size:
         raise ValueError(f"{path}: no store with tokens tells the block size: give --block-size")
-    streams: dict[str, Stream] = {}
-    for record in records:
-        source = record_source(record)
-        stream = streams.get(source.endpoint)
-        if stream is None:
-            stream = streams[source.endpoint] = Stream(path, record.worker_id, size, [])
-        stream.records.append(record)
-    for stream in streams.values():
-        stream.records = _engine_order(stream.records)
-    return list(streams.values()), reader.prompts
+    streams = [
+        Stream(path, stream[0].worker_id, size, _engine_order(stream))
+        for stream in capture_streams(records).values()
+    ]
+    return streams, reader.prompts
 
 
 def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:

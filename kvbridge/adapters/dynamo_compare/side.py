@@ -24,6 +24,7 @@ from kvbridge.adapters.capture import Prompt
 from kvbridge.adapters.dynamo_compare.ledger import Key
 from kvbridge.adapters.dynamo_compare.report import TierCounts
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.replay_protocol import seq8
 from kvbridge.adapters.selection_client import SelectionClient
 from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
 from kvbridge.schemas import BlockStored, VllmBatch
@@ -104,7 +105,7 @@ class Side:
         """A recorded message on stream ``index``, its seq moved past the sentinels sent."""
         shift = self.inserted[index]
         if shift and seq is not None and len(frames) == 3 and len(frames[1]) == 8:
-            frames = [frames[0], (seq + shift).to_bytes(8, "big"), frames[2]]
+            frames = [frames[0], seq8(seq + shift), frames[2]]
         self.publishers[index].send_frames(frames)
         if seq is not None:
             self.next_seq[index] = seq + shift + 1

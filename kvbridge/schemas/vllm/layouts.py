@@ -95,9 +95,12 @@ def release_key(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match[1].split("."))
 
 
+@functools.lru_cache(maxsize=64)
 def layout_for(release: str) -> Layout:
     """The layout a vLLM release publishes: that of the newest table row it is not older than
-    (``"0.21.0"``, ``"v0.25.2"``, ``"0.9.0rc1"``; releases past the table get the newest)."""
+    (``"0.21.0"``, ``"v0.25.2"``, ``"0.9.0rc1"``; releases past the table get the newest).
+
+    Cached: builders call it for every payload they encode."""
     key = release_key(release)
     for layout in reversed(LAYOUTS):
         if key >= release_key(layout.first):
