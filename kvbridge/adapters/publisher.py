@@ -134,7 +134,6 @@ class Publisher(ClosedOnExit):
                     self._buffer,
                     topic=self._topic,
                     topic_frame=replay_topic_frame,
-                    buffer_steps=buffer_steps,
                 )
         except BaseException:
             self._close_sockets()

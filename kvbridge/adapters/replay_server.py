@@ -58,6 +58,11 @@ class ReplayBuffer:
         """Replay requests answered with a snapshot."""
 
     @property
+    def steps(self) -> int:
+        """How many batches it holds at the most (``buffer_steps``)."""
+        return self._batches.maxlen or 0  # always made with one
+
+    @property
     def next_seq(self) -> int:
         """The seq :meth:`append` without an explicit ``seq`` will use."""
         with self._lock:
@@ -119,7 +124,6 @@ class ReplaySocket:
         *,
         topic: bytes,
         topic_frame: bool,
-        buffer_steps: int,
     ) -> None:
         self.buffer: Final = buffer
         """The batches the answers come from."""
@@ -132,7 +136,7 @@ class ReplaySocket:
         try:
             self._socket.setsockopt(zmq.LINGER, 0)
             # vLLM 0.33: room for a full replay plus its end marker.
-            self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 1))
             self._socket.bind(endpoint)
             self.endpoint: Final = last_endpoint(self._socket)
             """The actual bound address (ephemeral ports resolved)."""

@@ -169,6 +169,8 @@ class Subscriber(ClosedOnExit):
         )
         self._poller = zmq.Poller()
         self._streams: dict[zmq.Socket[bytes], StreamState] = {}
+        self._by_source: dict[Source, StreamState] = {}
+        """The same streams by source (a stream keeps its source when its socket is replaced)."""
         self._monitors: dict[zmq.Socket[bytes], StreamState] = {}
         self._order: dict[zmq.Socket[bytes], int] = {}
         self._next_first = 0
@@ -179,6 +181,7 @@ class Subscriber(ClosedOnExit):
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
             )
             self._order[stream.socket] = len(self._streams)
+            self._by_source.setdefault(source, stream)
             self._attach(stream)
         self._starting = [
             stream
@@ -187,10 +190,9 @@ class Subscriber(ClosedOnExit):
         ]
 
     def last_seq(self, source: Source) -> int | None:
-        for stream in self._streams.values():
-            if stream.source == source:
-                return stream.last
-        raise KeyError(source)
+        """The seq of the last batch delivered from ``source``, ``None`` before the first;
+        ``KeyError`` for a source this subscriber does not read."""
+        return self._by_source[source].last
 
     @property
     def _maxmsgsize(self) -> int:
@@ -314,4 +316,5 @@ class Subscriber(ClosedOnExit):
             self._detach(stream)
             if stream.dealer is not None:
                 stream.dealer.close(0)
+        self._by_source.clear()
         self._order.clear()
