@@ -2,19 +2,27 @@
 
 vLLM offsets a data-parallel rank's ports by its rank, so the ports of one engine (and of the
 relay that mirrors it) must be consecutive: :func:`free_port_range` finds such a range. A port
-found free can still be taken before it is bound; callers bind soon after.
+found free can still be taken before it is bound; callers bind soon after. Within one process,
+a range is not handed out again while it is among the last few handed out, so two calls made
+before either caller binds never overlap.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from typing import Final
 
 __all__ = ["free_port_range", "port_free"]
 
 _LOWEST_PORT: Final = 20_000
 _PORT_ATTEMPTS: Final = 200
+_RECENT_RANGES: Final = 64
+
+_handed_out: deque[range] = deque(maxlen=_RECENT_RANGES)
+_handing_out = threading.Lock()
 
 
 def _port_range() -> tuple[int, int]:
@@ -26,6 +34,11 @@ def _port_range() -> tuple[int, int]:
     except (OSError, ValueError, IndexError):
         ephemeral = 32_768
     return _LOWEST_PORT, max(ephemeral, _LOWEST_PORT + 1_000)
+
+
+def _overlaps_recent(base: int, count: int) -> bool:
+    """True if ``base .. base + count`` shares a port with a range handed out recently."""
+    return any(base < taken.stop and taken.start < base + count for taken in _handed_out)
 
 
 def port_free(port: int) -> bool:
@@ -50,8 +63,12 @@ def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
         raise ValueError(f"count must be positive, got {count}")
     rng = rng or random.SystemRandom()
     low, high = _port_range()
-    for _ in range(_PORT_ATTEMPTS):
-        base = rng.randrange(low, high - count)
-        if all(port_free(base + offset) for offset in range(count)):
-            return base
+    with _handing_out:
+        for _ in range(_PORT_ATTEMPTS):
+            base = rng.randrange(low, high - count)
+            if _overlaps_recent(base, count):
+                continue
+            if all(port_free(base + offset) for offset in range(count)):
+                _handed_out.append(range(base, base + count))
+                return base
     raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}")

@@ -1,0 +1,39 @@
+"""Free port ranges: consecutive, free, and never handed out twice before they are bound."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvbridge.adapters.ports import free_port_range, port_free
+
+
+def test_a_range_is_consecutive_free_ports_below_the_ephemeral_range() -> None:
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    base = free_port_range(8, rng=random.Random(7))
+    assert base >= 20_000
+    assert base + 8 <= ephemeral
+    assert all(port_free(base + offset) for offset in range(8))
+
+
+def test_two_calls_before_binding_never_overlap() -> None:
+    """The same seed picks the same first base; the second call must move past the first range."""
+    first = free_port_range(1000, rng=random.Random(11))
+    second = free_port_range(1000, rng=random.Random(11))
+    assert first != second
+    assert second >= first + 1000 or second + 1000 <= first
+
+
+def test_a_bound_port_is_not_free() -> None:
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        assert not port_free(held.getsockname()[1])
+
+
+def test_a_count_that_is_not_positive_is_refused() -> None:
+    with pytest.raises(ValueError, match="count must be positive, got 0"):
+        free_port_range(0)
