@@ -3,8 +3,8 @@
 vLLM offsets a data-parallel rank's ports by its rank, so the ports of one engine (and of the
 relay that mirrors it) must be consecutive: :func:`free_port_range` finds such a range. A port
 found free can still be taken before it is bound; callers bind soon after. Within one process,
-a range is not handed out again while it is among the last few handed out, so two calls made
-before either caller binds never overlap.
+a range is not handed out again for a few seconds, so two calls made before either caller
+binds never overlap.
 """
 
 from __future__ import annotations
@@ -12,17 +12,19 @@ from __future__ import annotations
 import random
 import socket
 import threading
-from collections import deque
+import time
 from typing import Final
 
 __all__ = ["free_port_range", "port_free"]
 
 _LOWEST_PORT: Final = 20_000
 _PORT_ATTEMPTS: Final = 200
-_RECENT_RANGES: Final = 64
+_HELD_S: Final = 10.0
+"""How long a range handed out is not handed out again: the time its caller has to bind it."""
 
-_handed_out: deque[range] = deque(maxlen=_RECENT_RANGES)
-_handing_out = threading.Lock()
+_held: list[tuple[float, range]] = []
+"""The ranges handed out in the last ``_HELD_S`` seconds, with the time each is released."""
+_holding = threading.Lock()
 
 
 def _port_range() -> tuple[int, int]:
@@ -36,9 +38,9 @@ def _port_range() -> tuple[int, int]:
     return _LOWEST_PORT, max(ephemeral, _LOWEST_PORT + 1_000)
 
 
-def _overlaps_recent(base: int, count: int) -> bool:
-    """True if ``base .. base + count`` shares a port with a range handed out recently."""
-    return any(base < taken.stop and taken.start < base + count for taken in _handed_out)
+def _overlaps_held(base: int, count: int) -> bool:
+    """True if ``base .. base + count`` shares a port with a range still held."""
+    return any(base < held.stop and held.start < base + count for _, held in _held)
 
 
 def port_free(port: int) -> bool:
@@ -63,12 +65,14 @@ def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
         raise ValueError(f"count must be positive, got {count}")
     rng = rng or random.SystemRandom()
     low, high = _port_range()
-    with _handing_out:
+    with _holding:
+        now = time.monotonic()
+        _held[:] = [(until, held) for until, held in _held if until > now]
         for _ in range(_PORT_ATTEMPTS):
             base = rng.randrange(low, high - count)
-            if _overlaps_recent(base, count):
+            if _overlaps_held(base, count):
                 continue
             if all(port_free(base + offset) for offset in range(count)):
-                _handed_out.append(range(base, base + count))
+                _held.append((now + _HELD_S, range(base, base + count)))
                 return base
     raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}")
