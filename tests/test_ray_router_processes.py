@@ -50,8 +50,12 @@ TURNS = 4
 CONCURRENCY = 3
 DEPLOYMENT = "Engine"
 AFFINITY_BOUND = 0.95
-LOAD_BOUND = 1.5
-"""New sessions per replica stay under this times the mean (15 of 30 on 3 replicas)."""
+MOST_NEW_SESSIONS = 19
+"""New sessions on any one replica, at most. A session's first turn matches no cache, and when
+it arrives the other requests may all have finished, so the replicas often tie, and Dynamo
+breaks a tie at random: 30 sessions placed uniformly at random put 20 or more on one of 3
+replicas with probability 0.0006 (16 or more: 0.056, which failed runs under a bound of 15).
+A router that piles new sessions on one replica fails it."""
 
 
 @dataclass
@@ -142,4 +146,4 @@ def test_two_router_processes_keep_sessions_and_load_as_one(runs: tuple[Run, Run
     for result in runs:
         assert result.affinity >= AFFINITY_BOUND
         assert len(result.new_sessions) == 3
-        assert max(result.new_sessions.values()) <= LOAD_BOUND * SESSIONS / 3
+        assert max(result.new_sessions.values()) <= MOST_NEW_SESSIONS
