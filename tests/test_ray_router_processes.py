@@ -4,8 +4,9 @@ the same relays, so they share the cache view but not the load view (each sees o
 reservations).
 
 Three replicas run a SimulatedEngine each (GPU pool of 128 blocks, CPU tier, block size 16).
-The workload: 30 multi-turn sessions of 4 turns, three sessions at a time; turn ``t`` of session
-``s`` goes through router process ``(s + t) % 2``, so every session alternates between the two.
+The workload: 30 multi-turn sessions of 4 turns, three sessions at a time, each request held
+0.1 s by its replica so that the three are in flight together; turn ``t`` of session ``s`` goes
+through router process ``(s + t) % 2``, so every session alternates between the two.
 The same workload through one router process is the reference. Measured: session affinity (a
 follow-up on the replica that served the session's previous turn), and the load as new
 sessions per replica.
@@ -49,13 +50,19 @@ SESSIONS = 30
 TURNS = 4
 CONCURRENCY = 3
 DEPLOYMENT = "Engine"
-AFFINITY_BOUND = 0.95
-MOST_NEW_SESSIONS = 19
-"""New sessions on any one replica, at most. A session's first turn matches no cache, and when
-it arrives the other requests may all have finished, so the replicas often tie, and Dynamo
-breaks a tie at random: 30 sessions placed uniformly at random put 20 or more on one of 3
-replicas with probability 0.0006 (16 or more: 0.056, which failed runs under a bound of 15).
-A router that piles new sessions on one replica fails it."""
+AFFINITY_BOUND = 0.8
+"""A follow-up stays on its replica unless that replica is busier by more than its cached
+prefix saves, which with three sessions in flight happens: affinity was 85.6-100% in four
+runs (one process and two alike)."""
+LOAD_BOUND = 1.8
+"""New sessions per replica stay under this times the mean (18 of 30 on 3 replicas); measured
+10/10/10 through one process in four runs, and 7/9/14 to 9/10/11 through two."""
+HOLD_S = 0.1
+"""How long each request takes at least. A session's first turn matches no cache, so only the
+load view tells the replicas apart: with requests that end at once, a first turn often arrives
+when no other request is in flight, the replicas tie, and Dynamo (at temperature 0) gives a
+tie to the same replica every time (8/17/5 in one run). Held, the other two requests of the
+three sent together are in flight when it is decided."""
 
 
 @dataclass
@@ -87,7 +94,9 @@ def run(app: str, processes: int, seed: int) -> Run:
             request_router_kwargs={"block_size": BLOCK_SIZE},
             request_routing_stats_period_s=0.5,
         ),
-    )(SimulatedReplica).bind(block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS)
+    )(SimulatedReplica).bind(
+        block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS, hold_s=HOLD_S
+    )
     handle = serve.run(bound, name=app, route_prefix=None)
     replicas = sorted(replica_ids(handle, 3))
     routers = [RouterProcess.remote(app, DEPLOYMENT) for _ in range(processes)]
@@ -146,4 +155,4 @@ def test_two_router_processes_keep_sessions_and_load_as_one(runs: tuple[Run, Run
     for result in runs:
         assert result.affinity >= AFFINITY_BOUND
         assert len(result.new_sessions) == 3
-        assert max(result.new_sessions.values()) <= MOST_NEW_SESSIONS
+        assert max(result.new_sessions.values()) <= LOAD_BOUND * SESSIONS / 3

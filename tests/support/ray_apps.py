@@ -136,6 +136,8 @@ class SimulatedReplica(KVEventsReplica):
 
     ``token_shift`` makes it a test double of an engine whose tokenizer disagrees with the
     router's: every prompt token id is shifted by it before the engine runs the request.
+    ``hold_s`` makes every request take at least that long, as a real engine's decoding does, so
+    that requests sent together are in flight together.
     """
 
     def __init__(
@@ -146,6 +148,7 @@ class SimulatedReplica(KVEventsReplica):
         cpu_blocks: int | None,
         dp_size: int = 1,
         token_shift: int = 0,
+        hold_s: float = 0.0,
     ) -> None:
         super().__init__(block_size=block_size, dp_size=dp_size, host="127.0.0.1")
         ports = self.kv_ports
@@ -163,6 +166,7 @@ class SimulatedReplica(KVEventsReplica):
             for rank in range(dp_size)
         ]
         self.token_shift = token_shift
+        self.hold_s = hold_s
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
         # The engines are not thread-safe, and Serve may run calls in threads.
@@ -179,11 +183,13 @@ class SimulatedReplica(KVEventsReplica):
         if prompt_token_ids is None:  # a request without tokens: nothing for the engine to do
             return {"replica": self.replica_id, "actor": self.actor_name}
         rank = data_parallel_rank or 0
+        held_until = time.monotonic() + self.hold_s
         with self._lock:
             tokens = [token + self.token_shift for token in prompt_token_ids]
             completion = self.engines[rank].generate(tokens, max_tokens)
             published = sum(engine.total_published for engine in self.engines)
         self._wait_relayed(published)
+        time.sleep(max(0.0, held_until - time.monotonic()))
         return {
             "replica": self.replica_id,
             "actor": self.actor_name,
@@ -244,11 +250,12 @@ class VllmReplica(KVEventsReplica):
         super().__del__()
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=8)
 class RouterProcess:
     """A process of its own holding a handle to ``app``'s ``deployment``, as each ingress
     replica of an app does: Serve builds a router in it, and DynamoKVRouter its own Dynamo
-    ``SelectionService``, with a load view of its own."""
+    ``SelectionService``, with a load view of its own. Up to 8 calls run at once (in threads),
+    as an ingress replica serves many requests at once."""
 
     def __init__(self, app: str, deployment: str) -> None:
         self.app, self.deployment = app, deployment
