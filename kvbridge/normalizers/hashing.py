@@ -99,11 +99,24 @@ def tokens_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     seed = block_seed(lora_name, cache_salt)
-    packed = memoryview(pack_tokens(token_ids))
+    packed = memoryview(_packed(token_ids)).cast("B")
     width = block_size * 4
     count = len(token_ids) // block_size
+    if not mm_hashes:
+        return [
+            _xxh3_64(packed[start : start + width], seed)
+            for start in range(0, count * width, width)
+        ]
     mm = list(mm_hashes) + [()] * (count - len(mm_hashes))
     return [tokens_hash(packed[i * width : (i + 1) * width], seed, mm[i]) for i in range(count)]
+
+
+def _packed(token_ids: Sequence[int]) -> bytes | array[int]:
+    """The tokens' packed bytes: an ``array("I")`` as it is (no copy) on a little-endian
+    host, anything else through :func:`pack_tokens`."""
+    if sys.byteorder == "little" and isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids
+    return pack_tokens(token_ids)
 
 
 def sequence_hash(parent: int | None, block_tokens_hash: int) -> int:

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from kvbridge.normalizers.hashing import block_seed, sequence_hashes, tokens_hash
+from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
 from kvbridge.schemas import Overlap
 
 __all__ = [
@@ -41,20 +41,11 @@ def precomputed_prompt(
     costs about 0.1 ms; the precomputed form is also what a moved reservation and the
     ranking's ``overlap_scores`` take. Token ids from
     :func:`~kvbridge.ray_integration.prompt.prompt_tokens` come packed already (an
-    ``array("I")``, the little-endian u32s Dynamo hashes on every supported host, as
-    :func:`kvbridge.normalizers.hashing.pack_tokens` assumes too): their bytes are hashed block
-    by block with no copy. kvbridge's hashes are Dynamo's bit for bit (tests/test_hashing.py),
-    LoRA name included.
+    ``array("I")``, the little-endian u32s Dynamo hashes), which
+    :func:`~kvbridge.normalizers.hashing.tokens_hashes` hashes block by block with no copy.
+    kvbridge's hashes are Dynamo's bit for bit (tests/test_hashing.py), LoRA name included.
     """
-    if not (isinstance(token_ids, array) and token_ids.typecode == "I"):
-        token_ids = array("I", token_ids)
-    packed = memoryview(token_ids).cast("B")
-    width = 4 * block_size
-    seed = block_seed(lora_name)
-    blocks = [
-        tokens_hash(packed[start : start + width], seed)
-        for start in range(0, len(packed) - width + 1, width)
-    ]
+    blocks = tokens_hashes(token_ids, block_size, lora_name=lora_name)
     return {
         "block_hashes": _as_i64(blocks),
         "sequence_hashes": _as_i64(sequence_hashes(blocks)),
