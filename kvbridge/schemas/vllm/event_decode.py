@@ -11,7 +11,7 @@ path), including a payload nested deeper than
 from __future__ import annotations
 
 import re
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 
@@ -21,35 +21,13 @@ from kvbridge.schemas.vllm.msgpack_headers import array_header, is_array, nestin
 from kvbridge.schemas.vllm.types import (
     MAX_NESTING,
     U32,
-    AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     Event,
     VllmBatch,
+    wire_union,
 )
 
 __all__ = ["decode_by_event"]
-
-
-# Wire variants of the public event types: strict ones, tried first, and tolerant ones (unknown
-# fields ignored) for payloads from releases newer than this table.
-def _variants(*, array_like: bool, strict: bool) -> tuple[type[Any], ...]:
-    return tuple(
-        msgspec.defstruct(
-            base.__name__,
-            [],
-            bases=(base,),
-            tag=base.__name__,
-            array_like=array_like,
-            forbid_unknown_fields=strict,
-        )
-        for base in (BlockStored, BlockRemoved, AllBlocksCleared)
-    )
-
-
-def _event_union(*, array_like: bool, strict: bool) -> Any:
-    stored, removed, cleared = _variants(array_like=array_like, strict=strict)
-    return stored | removed | cleared
 
 
 class _WireBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -64,12 +42,13 @@ class _TolerantWireBatch(_WireBatch, array_like=True, forbid_unknown_fields=Fals
 
 _BATCH = msgspec.msgpack.Decoder(_WireBatch)
 _TOLERANT_BATCH = msgspec.msgpack.Decoder(_TolerantWireBatch)
+# Strict event decoders, tried first, and tolerant ones (unknown fields ignored) for payloads
+# from releases newer than this table.
 _STRICT = {
-    era: msgspec.msgpack.Decoder(_event_union(array_like=era, strict=True)) for era in (True, False)
+    era: msgspec.msgpack.Decoder(wire_union(array_like=era, strict=True)) for era in (True, False)
 }
 _TOLERANT = {
-    era: msgspec.msgpack.Decoder(_event_union(array_like=era, strict=False))
-    for era in (True, False)
+    era: msgspec.msgpack.Decoder(wire_union(array_like=era, strict=False)) for era in (True, False)
 }
 
 

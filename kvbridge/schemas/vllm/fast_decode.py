@@ -18,10 +18,10 @@ from kvbridge.schemas.vllm.layouts import LAST_ARRAY_LAYOUT, REMOVED_FIELDS, STO
 from kvbridge.schemas.vllm.types import (
     MAX_NESTING,
     U32,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     VllmBatch,
+    wire_union,
 )
 
 __all__ = ["decode_fast"]
@@ -73,19 +73,14 @@ def _fast_union(*, array_like: bool) -> Any:
         BlockStored: STORED_FIELDS[LAST_ARRAY_LAYOUT.stored_fields :],
         BlockRemoved: REMOVED_FIELDS[LAST_ARRAY_LAYOUT.removed_fields :],
     }
-    stored, removed, cleared = (
-        msgspec.defstruct(
-            base.__name__,
-            [(name, None, None) for name in past_array_era.get(base, ())] if array_like else [],
-            bases=(base,),
-            tag=base.__name__,
-            array_like=array_like,
-            forbid_unknown_fields=True,
-            namespace={"__post_init__": _check_store} if base is BlockStored else None,
-        )
-        for base in (BlockStored, BlockRemoved, AllBlocksCleared)
+    return wire_union(
+        array_like=array_like,
+        strict=True,
+        fields=lambda base: (
+            [(name, None, None) for name in past_array_era.get(base, ())] if array_like else []
+        ),
+        namespace=lambda base: {"__post_init__": _check_store} if base is BlockStored else None,
     )
-    return stored | removed | cleared
 
 
 _FAST_BATCHES = tuple(

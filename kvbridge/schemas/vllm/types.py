@@ -7,6 +7,7 @@ are u32, as Dynamo keeps them). Which release sends which fields is the layout t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Final, TypeAlias
 
 import msgspec
@@ -113,3 +114,29 @@ class VllmBatch(msgspec.Struct):
     data_parallel_rank: U32 | None = None
     unknown_fields: int = 0
     """Unknown trailing array positions plus unknown map keys that were ignored."""
+
+
+def wire_union(
+    *,
+    array_like: bool,
+    strict: bool,
+    fields: Callable[[type[msgspec.Struct]], list[tuple[str, Any, Any]]] = lambda base: [],
+    namespace: Callable[[type[msgspec.Struct]], dict[str, Any] | None] = lambda base: None,
+) -> Any:
+    """The union of the three events as one wire form decodes them (for the decoders; not
+    exported): each event a subclass of its public type, tagged with its name, as arrays or
+    maps, with unknown fields refused (``strict``) or ignored, plus the ``fields`` and
+    ``namespace`` given for its type."""
+    stored, removed, cleared = (
+        msgspec.defstruct(
+            base.__name__,
+            fields(base),
+            bases=(base,),
+            tag=base.__name__,
+            array_like=array_like,
+            forbid_unknown_fields=strict,
+            namespace=namespace(base),
+        )
+        for base in (BlockStored, BlockRemoved, AllBlocksCleared)
+    )
+    return stored | removed | cleared
