@@ -415,19 +415,23 @@ fn decode_event<'a>(
         unreachable!("just pushed");
     };
     let mut reader = Reader::new(raw);
-    let decoded = if let Some(len) = reader.fixmap_header() {
-        decode_map_event(index, raw, len, &mut reader, arena, stored)
+    let input = EventInput {
+        index,
+        raw,
+        reader: &mut reader,
+        arena,
+        stored,
+    };
+    let decoded = if let Some(len) = input.reader.fixmap_header() {
+        input.map(len)
     } else {
-        match reader
+        match input
+            .reader
             .lax()
             .map_err(|error| malformed_event(index, error))?
         {
-            Lax::Item(Item::Array(len)) => {
-                decode_array_event(index, raw, len, &mut reader, arena, stored)
-            }
-            Lax::Item(Item::Map(len)) => {
-                decode_map_event(index, raw, len, &mut reader, arena, stored)
-            }
+            Lax::Item(Item::Array(len)) => input.array(len),
+            Lax::Item(Item::Map(len)) => input.map(len),
             other => Err(event_error(index, "event", expected("object", &other))),
         }
     }?;
@@ -514,157 +518,162 @@ fn fields_of(tag: &str) -> Fields {
     }
 }
 
-fn decode_array_event<'a>(
+/// An event of the general path, its header read: where it stands in the batch, its bytes, the
+/// reader at its first item, and the event it fills.
+struct EventInput<'a, 'r> {
     index: usize,
     raw: &'a [u8],
-    len: usize,
-    reader: &mut Reader<'a>,
-    arena: &mut Arena,
-    stored: &mut Stored<'a>,
-) -> Result<Decoded, SchemaError> {
-    let malformed = |error: ReadError| malformed_event(index, error);
-    if len == 0 {
-        return Err(event_error(
-            index,
-            "event",
-            "Expected `array` of at least length 1, got 0",
-        ));
-    }
-    let tag = tag_of(index, reader.lax().map_err(malformed)?)?;
-    let fields = fields_of(tag);
-    let (names, required, known) = (fields.names, fields.required, fields.known);
-    let given = len - 1;
-    // Positions past the array era are unknown: decode_batch decodes such an event
-    // generically, drops them and decodes the rest.
-    let unknown = given.saturating_sub(known);
-    if unknown > 0 {
-        check_generic(index, raw)?;
-    }
-    if given < required {
-        return Err(event_error(
-            index,
-            "event",
-            format!(
-                "Expected `array` of at least length {}, got {len}",
-                required + 1
-            ),
-        ));
-    }
-    let mut builder = EventBuilder::new(tag, stored);
-    for &position in fields.positions.iter().take(given.min(known)) {
-        builder.field(index, position, reader, arena)?;
-    }
-    // The strict pass accepts nil up to the newest layout's fields, and nothing past them.
-    let mut fast = given <= names.len();
-    for _ in known..given {
-        fast &= reader.peek() == Some(0xc0);
-        reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
-    }
-    builder.finish(index)?;
-    Ok(Decoded {
-        tag,
-        array: true,
-        unknown: unknown as u64,
-        fast,
-    })
+    reader: &'r mut Reader<'a>,
+    arena: &'r mut Arena,
+    stored: &'r mut Stored<'a>,
 }
 
-fn decode_map_event<'a>(
-    index: usize,
-    raw: &'a [u8],
-    len: usize,
-    reader: &mut Reader<'a>,
-    arena: &mut Arena,
-    stored: &mut Stored<'a>,
-) -> Result<Decoded, SchemaError> {
-    let malformed = |error: ReadError| malformed_event(index, error);
-    let key_of = |reader: &mut Reader<'a>| {
-        if let Some(bytes) = reader.str_bytes() {
-            return Ok(bytes);
+impl<'a> EventInput<'a, '_> {
+    /// An array event of `len` items: the tag, then the fields by position.
+    fn array(self, len: usize) -> Result<Decoded, SchemaError> {
+        let index = self.index;
+        let malformed = |error: ReadError| malformed_event(index, error);
+        if len == 0 {
+            return Err(event_error(
+                index,
+                "event",
+                "Expected `array` of at least length 1, got 0",
+            ));
         }
-        match reader.lax().map_err(malformed)? {
-            Lax::Str(bytes) => Ok(bytes),
-            other => Err(event_error(index, "event", expected("str", &other))),
+        let tag = tag_of(index, self.reader.lax().map_err(malformed)?)?;
+        let fields = fields_of(tag);
+        let (names, required, known) = (fields.names, fields.required, fields.known);
+        let given = len - 1;
+        // Positions past the array era are unknown: decode_batch decodes such an event
+        // generically, drops them and decodes the rest.
+        let unknown = given.saturating_sub(known);
+        if unknown > 0 {
+            check_generic(index, self.raw)?;
         }
-    };
-    // The tag may stand anywhere among the keys: msgspec looks for it first, then decodes
-    // every key from the start (or from the second key if the tag was the first).
-    let start = reader.clone();
-    let mut tag = None;
-    for position in 0..len {
-        if key_of(reader)? == b"type" {
-            tag = Some((tag_of(index, reader.lax().map_err(malformed)?)?, position));
-            break;
+        if given < required {
+            return Err(event_error(
+                index,
+                "event",
+                format!(
+                    "Expected `array` of at least length {}, got {len}",
+                    required + 1
+                ),
+            ));
         }
-        reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
+        let mut builder = EventBuilder::new(tag, self.stored);
+        for &position in fields.positions.iter().take(given.min(known)) {
+            builder.field(index, position, self.reader, self.arena)?;
+        }
+        // The strict pass accepts nil up to the newest layout's fields, and nothing past them.
+        let mut fast = given <= names.len();
+        for _ in known..given {
+            fast &= self.reader.peek() == Some(0xc0);
+            self.reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
+        }
+        builder.finish(index)?;
+        Ok(Decoded {
+            tag,
+            array: true,
+            unknown: unknown as u64,
+            fast,
+        })
     }
-    let Some((tag, position)) = tag else {
-        return Err(event_error(
-            index,
-            "event",
-            "Object missing required field `type`",
-        ));
-    };
-    let mut keys = len - 1;
-    if position > 0 {
-        *reader = start;
-        keys = len;
-    }
-    let fields = fields_of(tag);
-    let mut builder = EventBuilder::new(tag, stored);
-    // Unknown keys, each counted once as decode_batch counts them (on a generic decoding).
-    let mut unknown: Vec<&[u8]> = Vec::new();
-    for _ in 0..keys {
-        let key = key_of(reader)?;
-        if key == b"type" {
-            let again = reader.lax().map_err(malformed)?;
-            if tag_of(index, again)? != tag {
-                let Lax::Str(bytes) = again else {
-                    unreachable!("tag_of took a str")
-                };
-                return Err(event_error(
-                    index,
-                    "type",
-                    format!("Invalid value '{}'", String::from_utf8_lossy(bytes)),
+
+    /// A map event of `len` entries: the tag wherever it stands, the fields by key.
+    fn map(self, len: usize) -> Result<Decoded, SchemaError> {
+        let index = self.index;
+        let malformed = |error: ReadError| malformed_event(index, error);
+        let key_of = |keys: &mut Reader<'a>| {
+            if let Some(bytes) = keys.str_bytes() {
+                return Ok(bytes);
+            }
+            match keys.lax().map_err(malformed)? {
+                Lax::Str(bytes) => Ok(bytes),
+                other => Err(event_error(index, "event", expected("str", &other))),
+            }
+        };
+        // The tag may stand anywhere among the keys: msgspec looks for it first, then decodes
+        // every key from the start (or from the second key if the tag was the first).
+        let start = self.reader.clone();
+        let mut tag = None;
+        for position in 0..len {
+            if key_of(self.reader)? == b"type" {
+                tag = Some((
+                    tag_of(index, self.reader.lax().map_err(malformed)?)?,
+                    position,
                 ));
+                break;
             }
-            continue;
+            self.reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
         }
-        let position = stored_position(key).filter(|p| fields.positions.contains(p));
-        match position {
-            Some(position) => builder.field(index, position, reader, arena)?,
-            None => {
-                // The strict pass stops at the first unknown key, and its error quotes the
-                // key: one that is not UTF-8 fails there as malformed.
-                if unknown.is_empty() && std::str::from_utf8(key).is_err() {
-                    return Err(malformed_event(index, ReadError::Utf8));
+        let Some((tag, position)) = tag else {
+            return Err(event_error(
+                index,
+                "event",
+                "Object missing required field `type`",
+            ));
+        };
+        let mut keys = len - 1;
+        if position > 0 {
+            *self.reader = start;
+            keys = len;
+        }
+        let fields = fields_of(tag);
+        let mut builder = EventBuilder::new(tag, self.stored);
+        // Unknown keys, each counted once as decode_batch counts them (on a generic decoding).
+        let mut unknown: Vec<&[u8]> = Vec::new();
+        for _ in 0..keys {
+            let key = key_of(self.reader)?;
+            if key == b"type" {
+                let again = self.reader.lax().map_err(malformed)?;
+                if tag_of(index, again)? != tag {
+                    let Lax::Str(bytes) = again else {
+                        unreachable!("tag_of took a str")
+                    };
+                    return Err(event_error(
+                        index,
+                        "type",
+                        format!("Invalid value '{}'", String::from_utf8_lossy(bytes)),
+                    ));
                 }
-                if !unknown.contains(&key) {
-                    unknown.push(key);
+                continue;
+            }
+            let position = stored_position(key).filter(|p| fields.positions.contains(p));
+            match position {
+                Some(position) => builder.field(index, position, self.reader, self.arena)?,
+                None => {
+                    // The strict pass stops at the first unknown key, and its error quotes the
+                    // key: one that is not UTF-8 fails there as malformed.
+                    if unknown.is_empty() && std::str::from_utf8(key).is_err() {
+                        return Err(malformed_event(index, ReadError::Utf8));
+                    }
+                    if !unknown.contains(&key) {
+                        unknown.push(key);
+                    }
+                    self.reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
                 }
-                reader.skip_lax(EVENT_DEPTH + 1).map_err(malformed)?;
             }
         }
+        let required = &fields.positions[..fields.required];
+        if let Some(&missing) = required.iter().find(|&&position| !builder.has(position)) {
+            let missing = STORED_FIELDS[missing];
+            return Err(event_error(
+                index,
+                "event",
+                format!("Object missing required field `{missing}`"),
+            ));
+        }
+        if !unknown.is_empty() {
+            check_generic(index, self.raw)?;
+        }
+        builder.finish(index)?;
+        Ok(Decoded {
+            tag,
+            array: false,
+            unknown: unknown.len() as u64,
+            fast: unknown.is_empty(),
+        })
     }
-    let required = &fields.positions[..fields.required];
-    if let Some(&missing) = required.iter().find(|&&position| !builder.has(position)) {
-        let missing = STORED_FIELDS[missing];
-        return Err(event_error(
-            index,
-            "event",
-            format!("Object missing required field `{missing}`"),
-        ));
-    }
-    if !unknown.is_empty() {
-        check_generic(index, raw)?;
-    }
-    builder.finish(index)?;
-    Ok(Decoded {
-        tag,
-        array: false,
-        unknown: unknown.len() as u64,
-        fast: unknown.is_empty(),
-    })
 }
 
 /// Fills an event field by field, in wire order.
@@ -953,26 +962,16 @@ mod fast {
         let count = reader.array_header()?;
         let mut events = Vec::with_capacity(count.min(reader.left()));
         for index in 0..count {
-            match reader.peek()? {
-                marker @ 0x80..=0x8f => {
+            let marker = reader.peek()?;
+            let len = usize::from(marker & 0x0f);
+            match marker {
+                0x80..=0x8f => {
                     reader.fixmap_header()?;
-                    map_event(
-                        index,
-                        usize::from(marker & 0x0f),
-                        &mut reader,
-                        arena,
-                        &mut events,
-                    )?;
+                    map_event(index, len, &mut reader, arena, &mut events)?;
                 }
-                marker @ 0x90..=0x9f => {
+                0x90..=0x9f => {
                     reader.array_header()?;
-                    array_event(
-                        index,
-                        usize::from(marker & 0x0f),
-                        &mut reader,
-                        arena,
-                        &mut events,
-                    )?;
+                    array_event(index, len, &mut reader, arena, &mut events)?;
                 }
                 _ => return None,
             }
