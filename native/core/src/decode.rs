@@ -243,15 +243,12 @@ fn decode_in_one_pass<'a>(payload: &'a [u8], arena: &mut Arena) -> Option<Batch<
         return None;
     };
     let mut events = Vec::with_capacity(count.min(reader.left()));
-    let (mut arrays, mut maps, mut fast, mut unknown) = (false, false, true, 0);
+    let mut tally = Tally::new(0);
     let mut at = reader.position();
     for index in 0..count {
         let (decoded, used) = decode_event(index, &payload[at..], arena, &mut events).ok()?;
         at += used;
-        arrays |= decoded.array;
-        maps |= !decoded.array;
-        fast &= decoded.fast;
-        unknown += decoded.unknown;
+        tally.add(&decoded);
     }
     let mut reader = Reader::new(&payload[at..]);
     let dp_rank = if fields >= 3 {
@@ -266,15 +263,7 @@ fn decode_in_one_pass<'a>(payload: &'a [u8], arena: &mut Arena) -> Option<Batch<
     if fields > 3 || !reader.is_empty() {
         return None; // extra batch fields are counted on a generic decoding: the exact path
     }
-    if fast && !(arrays && maps) {
-        unknown = 0;
-    }
-    Some(Batch {
-        ts,
-        dp_rank,
-        events,
-        unknown_fields: unknown,
-    })
+    Some(tally.batch(ts, dp_rank, events))
 }
 
 /// The error for a payload nested deeper than [`MAX_DEPTH`], if it is: inside an event when the
@@ -364,30 +353,53 @@ fn decode_batch<'a>(payload: &'a [u8], arena: &mut Arena) -> Result<Batch<'a>, S
         })?;
     }
     let mut events = Vec::with_capacity(count);
-    let mut unknown = extra_batch_fields as u64;
-    let (mut arrays, mut maps) = (false, false);
-    let mut fast = extra_batch_fields == 0;
+    let mut tally = Tally::new(extra_batch_fields as u64);
     for (index, raw) in raws.into_iter().enumerate() {
         let (decoded, _) = decode_event(index, raw, arena, &mut events)?;
-        if decoded.array {
-            arrays = true;
-        } else {
-            maps = true;
+        tally.add(&decoded);
+    }
+    Ok(tally.batch(ts, dp_rank, events))
+}
+
+/// What a batch's events add up to, for the unknown fields decode_batch reports.
+struct Tally {
+    arrays: bool,
+    maps: bool,
+    /// Whether decode_batch's strict one-pass decoding would accept every event so far.
+    fast: bool,
+    unknown: u64,
+}
+
+impl Tally {
+    /// Before the events: `extra_batch_fields` unknown positions of the batch itself (which
+    /// the strict pass refuses).
+    fn new(extra_batch_fields: u64) -> Self {
+        Tally {
+            arrays: false,
+            maps: false,
+            fast: extra_batch_fields == 0,
+            unknown: extra_batch_fields,
         }
-        unknown += decoded.unknown;
-        fast &= decoded.fast;
     }
-    // decode_batch first tries one strict pass per era; a batch it accepts there counts
-    // nothing unknown, not even nil array positions past the array era.
-    if fast && !(arrays && maps) {
-        unknown = 0;
+
+    fn add(&mut self, decoded: &Decoded) {
+        self.arrays |= decoded.array;
+        self.maps |= !decoded.array;
+        self.fast &= decoded.fast;
+        self.unknown += decoded.unknown;
     }
-    Ok(Batch {
-        ts,
-        dp_rank,
-        events,
-        unknown_fields: unknown,
-    })
+
+    /// The batch of `events`. decode_batch first tries one strict pass per era; a batch it
+    /// accepts there counts nothing unknown, not even nil array positions past the array era.
+    fn batch<'a>(&self, ts: f64, dp_rank: Option<u32>, events: Vec<Event<'a>>) -> Batch<'a> {
+        let one_era_strict = self.fast && !(self.arrays && self.maps);
+        Batch {
+            ts,
+            dp_rank,
+            events,
+            unknown_fields: if one_era_strict { 0 } else { self.unknown },
+        }
+    }
 }
 
 struct Decoded {
@@ -964,16 +976,26 @@ mod fast {
         for index in 0..count {
             let marker = reader.peek()?;
             let len = usize::from(marker & 0x0f);
-            match marker {
-                0x80..=0x8f => {
-                    reader.fixmap_header()?;
-                    map_event(index, len, &mut reader, arena, &mut events)?;
-                }
-                0x90..=0x9f => {
-                    reader.array_header()?;
-                    array_event(index, len, &mut reader, arena, &mut events)?;
-                }
+            let is_map = match marker {
+                0x80..=0x8f => true,
+                0x90..=0x9f => false,
                 _ => return None,
+            };
+            if is_map {
+                reader.fixmap_header()?;
+            } else {
+                reader.array_header()?;
+            }
+            let input = EventInput {
+                index,
+                reader: &mut reader,
+                arena,
+                events: &mut events,
+            };
+            if is_map {
+                input.map(len)?;
+            } else {
+                input.array(len)?;
             }
         }
         let dp_rank = match fields {
@@ -1033,65 +1055,66 @@ mod fast {
         }
     }
 
-    fn map_event<'a>(
+    /// An event of the fast path, its header read: where it stands in the batch, the reader at
+    /// its first item, and where it goes.
+    struct EventInput<'a, 'r> {
         index: usize,
-        len: usize,
-        reader: &mut Reader<'a>,
-        arena: &mut Arena,
-        events: &mut Vec<Event<'a>>,
-    ) -> Option<()> {
-        if len == 0 || !same(reader.str_bytes()?, b"type") {
-            return None;
-        }
-        let tag = tag(reader)?;
-        let fields = fields_of(tag);
-        let mut next = 0;
-        let mut seen = 0u32;
-        // Built in its place (a store is large); a failed event fails the whole payload.
-        events.push(Event::start(tag));
-        let event = events.last_mut()?;
-        for _ in 1..len {
-            let key = reader.str_bytes()?;
-            // Keys come in layout order; some may be left out.
-            while !same(STORED_FIELDS[*fields.positions.get(next)?].as_bytes(), key) {
-                next += 1;
-            }
-            let position = fields.positions[next];
-            next += 1;
-            seen |= 1 << position;
-            event.field(index, position, reader, arena)?;
-        }
-        let required = fields.positions[..fields.required]
-            .iter()
-            .fold(0u32, |bits, &position| bits | 1 << position);
-        if seen & required != required {
-            return None;
-        }
-        event.check()
+        reader: &'r mut Reader<'a>,
+        arena: &'r mut Arena,
+        events: &'r mut Vec<Event<'a>>,
     }
 
-    fn array_event<'a>(
-        index: usize,
-        len: usize,
-        reader: &mut Reader<'a>,
-        arena: &mut Arena,
-        events: &mut Vec<Event<'a>>,
-    ) -> Option<()> {
-        if len == 0 {
-            return None;
+    impl<'a> EventInput<'a, '_> {
+        /// A map event of `len` entries, its tag first and its keys in layout order.
+        fn map(self, len: usize) -> Option<()> {
+            if len == 0 || !same(self.reader.str_bytes()?, b"type") {
+                return None;
+            }
+            let tag = tag(self.reader)?;
+            let fields = fields_of(tag);
+            let mut next = 0;
+            let mut seen = 0u32;
+            // Built in its place (a store is large); a failed event fails the whole payload.
+            self.events.push(Event::start(tag));
+            let event = self.events.last_mut()?;
+            for _ in 1..len {
+                let key = self.reader.str_bytes()?;
+                // Keys come in layout order; some may be left out.
+                while !same(STORED_FIELDS[*fields.positions.get(next)?].as_bytes(), key) {
+                    next += 1;
+                }
+                let position = fields.positions[next];
+                next += 1;
+                seen |= 1 << position;
+                event.field(self.index, position, self.reader, self.arena)?;
+            }
+            let required = fields.positions[..fields.required]
+                .iter()
+                .fold(0u32, |bits, &position| bits | 1 << position);
+            if seen & required != required {
+                return None;
+            }
+            event.check()
         }
-        let tag = tag(reader)?;
-        let fields = fields_of(tag);
-        let given = len - 1;
-        if given < fields.required || given > fields.known {
-            return None;
+
+        /// An array event of `len` items, no position past its layout's.
+        fn array(self, len: usize) -> Option<()> {
+            if len == 0 {
+                return None;
+            }
+            let tag = tag(self.reader)?;
+            let fields = fields_of(tag);
+            let given = len - 1;
+            if given < fields.required || given > fields.known {
+                return None;
+            }
+            self.events.push(Event::start(tag));
+            let event = self.events.last_mut()?;
+            for &position in &fields.positions[..given] {
+                event.field(self.index, position, self.reader, self.arena)?;
+            }
+            event.check()
         }
-        events.push(Event::start(tag));
-        let event = events.last_mut()?;
-        for &position in &fields.positions[..given] {
-            event.field(index, position, reader, arena)?;
-        }
-        event.check()
     }
 
     impl<'a> Event<'a> {
