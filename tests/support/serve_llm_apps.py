@@ -212,6 +212,9 @@ def llm_config(model_dir: str, router_class: Any, placeholder_ports: tuple[int, 
     from ray.serve.config import RequestRouterConfig
     from ray.serve.llm import LLMConfig
 
+    sys.path.insert(0, E2E_ENV["PYTHONPATH"])
+    from offloading import kv_transfer_config  # tools/vllm_cpu, beside the spec it names
+
     return LLMConfig(
         model_loading_config={"model_id": MODEL_ID, "model_source": model_dir},
         accelerator_config={"kind": "cpu"},
@@ -223,21 +226,9 @@ def llm_config(model_dir: str, router_class: Any, placeholder_ports: tuple[int, 
             "enable_prefix_caching": True,
             # kv_offloading_backend="native" refuses the CPU: vLLM's OffloadingConnector with
             # the test-only synchronous CPU worker instead.
-            "kv_transfer_config": {
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "spec_name": "SyncCPUOffloadingSpec",
-                    "spec_module_path": "cpu_offload_spec",
-                    "cpu_bytes_to_use": CPU_TIER_BYTES,
-                    "self_describing_kv_events": True,
-                    **(
-                        {"placeholder_kv_events_ports": list(placeholder_ports)}
-                        if placeholder_ports
-                        else {}
-                    ),
-                },
-            },
+            "kv_transfer_config": kv_transfer_config(
+                CPU_TIER_BYTES, self_describing=True, placeholder_ports=placeholder_ports
+            ),
             **{k: v for k, v in ENGINE_KWARGS.items() if k != "enable_prefix_caching"},
         },
         runtime_env={"env_vars": dict(E2E_ENV)},

@@ -142,16 +142,9 @@ def offload_phases() -> Phases:
 
 
 def offload_transfer(self_describing: bool) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "SyncCPUOffloadingSpec",
-            "spec_module_path": "cpu_offload_spec",
-            "cpu_bytes_to_use": CPU_TIER_BYTES,
-            "self_describing_kv_events": self_describing,
-        },
-    }
+    from offloading import kv_transfer_config  # beside this file, on sys.path (above)
+
+    return kv_transfer_config(CPU_TIER_BYTES, self_describing=self_describing)
 
 
 # name -> phases (a function), optional extra engine args and env, and a one-line description
