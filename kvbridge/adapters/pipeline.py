@@ -41,7 +41,7 @@ from kvbridge.adapters.capture import FrameRecord
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Message, Source, StreamReset
-from kvbridge.adapters.stream_stats import BadFrame, PipelineStats
+from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, skip_bad_frame
 from kvbridge.normalizers import Normalizer
 from kvbridge.normalizers.batch import NormalizedBatch
 from kvbridge.schemas import SchemaError, VllmBatch
@@ -212,13 +212,12 @@ class StreamPipeline:
         try:
             normalized = worker.normalizer.process(batch, seq, reset_first=uncleared)
         except SchemaError as error:
-            self.stats.bad_frames[BadFrame.SCHEMA] += 1
-            self._warn(
-                "bad frame skipped",
-                (source.endpoint, BadFrame.SCHEMA),
-                stream=source.endpoint,
-                seq=seq,
-                reason=BadFrame.SCHEMA.value,
+            skip_bad_frame(
+                self.stats.bad_frames,
+                self._warn,
+                source.endpoint,
+                BadFrame.SCHEMA,
+                seq,
                 error=str(error),
             )
             return

@@ -166,19 +166,13 @@ class Publisher(ClosedOnExit):
 
     @property
     def snapshot(self) -> Callable[[], tuple[int, list[bytes]] | None] | None:
-        """Called on the replay thread for a request older than the buffer: ``(next_seq,
-        payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
-        ``None`` (then the buffer is replayed as usual). ``None`` by default."""
+        """The replay buffer's :attr:`~kvbridge.adapters.replay_server.ReplayBuffer.snapshot`
+        provider. ``None`` by default."""
         return self._buffer.snapshot
 
     @snapshot.setter
     def snapshot(self, provider: Callable[[], tuple[int, list[bytes]] | None] | None) -> None:
         self._buffer.snapshot = provider
-
-    @property
-    def snapshots_served(self) -> int:
-        """Replay requests answered with a snapshot."""
-        return self._buffer.snapshots_served
 
     # ------------------------------------------------------------------ live stream
 

@@ -216,7 +216,9 @@ class Relay(ClosedOnExit):
             self.output_stats.opened += 1
             if publish_replay:
                 publisher.snapshot = self._snapshot_provider(source)
-        replaying = [p for p in self.outputs.values() if p.replay_endpoint is not None]
+        replaying = [
+            p.replay_socket() for p in self.outputs.values() if p.replay_endpoint is not None
+        ]
         self._replays = ReplayServer(replaying).start() if replaying else None
         """One thread and one poller serve every output's replays (not a thread each)."""
 

@@ -28,7 +28,7 @@ import zmq
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Message, StreamReset, connect_address
-from kvbridge.adapters.stream_state import StreamState, skip_bad_frame
+from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
 __all__ = ["DEFAULT_REPLAY_MAX_BYTES", "DEFAULT_REPLAY_MAX_MESSAGES", "ReplayClient"]
@@ -108,9 +108,7 @@ class ReplayClient:
                     return out
                 lost = seq - expected
                 if lost > self.max_gap:
-                    self.stats.resyncs += 1
-                    self.warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
-                    out.append(stream.reset("restart"))
+                    out.append(stream.resync(self.stats, self.warn, seq))
                 else:
                     self.stats.lost += lost
                     self.warn(
@@ -145,6 +143,7 @@ class ReplayClient:
         dealer.send_multipart(request_frames(start))
         messages: list[Message] = []
         size = 0
+        topic = source.topic.encode()
         deadline = time.monotonic() + self.timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -159,19 +158,19 @@ class ReplayClient:
                 dealer.close(0)  # late replies must not be read as the next replay's
                 stream.dealer = None
                 break
-            answer = parse_answer(dealer.recv_multipart(), source.topic.encode())
+            answer = parse_answer(dealer.recv_multipart(), topic)
             if answer is None:
-                skip_bad_frame(self.stats, self.warn, stream, BadFrame.REPLAY_FRAME_COUNT)
+                stream.skip_frame(self.stats, self.warn, BadFrame.REPLAY_FRAME_COUNT)
                 continue
             topic, seq_frame, payload = answer
             if seq_frame == END_SEQ or not payload:
                 break
             if len(seq_frame) != 8:
-                skip_bad_frame(self.stats, self.warn, stream, BadFrame.BAD_SEQ)
+                stream.skip_frame(self.stats, self.warn, BadFrame.BAD_SEQ)
                 continue
             seq = int.from_bytes(seq_frame, "big")
             if len(payload) > self.max_frame_bytes:
-                skip_bad_frame(self.stats, self.warn, stream, BadFrame.OVERSIZED, seq)
+                stream.skip_frame(self.stats, self.warn, BadFrame.OVERSIZED, seq)
                 continue
             messages.append(Message(source, seq, topic, payload, time.time_ns(), replayed=True))
             size += len(payload)

@@ -17,14 +17,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Final, Self
+from typing import Final, Self
 
 import zmq
 
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
-
-if TYPE_CHECKING:
-    from kvbridge.adapters.publisher import Publisher
 
 __all__ = ["ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
 
@@ -54,8 +51,6 @@ class ReplayBuffer:
         """Called on the replay thread for a request older than the buffer: ``(next_seq,
         payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
         ``None`` (then the buffer is replayed as usual)."""
-        self.snapshots_served = 0
-        """Replay requests answered with a snapshot."""
 
     @property
     def steps(self) -> int:
@@ -100,7 +95,6 @@ class ReplayBuffer:
             next_seq, payloads = snapshot
             answer = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
             start_seq = max(next_seq, start_seq + len(payloads))
-            self.snapshots_served += 1
         with self._lock:
             answer += [(seq, payload) for seq, payload in self._batches if seq >= start_seq]
         return answer
@@ -248,18 +242,19 @@ class ReplayServer:
     ``start_replay_thread``); closing any of the publishers stops the server, so close them all
     together (or :meth:`close` first).
 
+    ``sockets`` are the publishers' :meth:`~kvbridge.adapters.publisher.Publisher.replay_socket`
+    (which raises for a publisher without one, or closed).
+
     Raises:
-        RuntimeError: a publisher has no replay socket, is closed, or already has a replay
-            thread.
+        RuntimeError: a socket already has a replay thread, or is closed.
     """
 
-    def __init__(self, publishers: Iterable[Publisher]) -> None:
+    def __init__(self, sockets: Iterable[ReplaySocket]) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-replays", daemon=True)
         self._poller = zmq.Poller()
         self._sockets: dict[zmq.Socket[bytes], ReplaySocket] = {}
-        for publisher in publishers:
-            replays = publisher.replay_socket()
+        for replays in sockets:
             router = replays.adopt(self._thread, self)
             self._sockets[router] = replays
             self._poller.register(router, zmq.POLLIN)

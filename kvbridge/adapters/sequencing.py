@@ -36,7 +36,7 @@ import structlog
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_client import ReplayClient
 from kvbridge.adapters.source import Message, StreamReset
-from kvbridge.adapters.stream_state import StreamState, skip_bad_frame
+from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
 __all__ = ["Sequencer"]
@@ -59,7 +59,7 @@ class Sequencer:
     """Gaps, which are expected under load, at info level."""
 
     def _bad(self, stream: StreamState, reason: BadFrame, seq: int | None = None) -> None:
-        skip_bad_frame(self.stats, self.warn, stream, reason, seq)
+        stream.skip_frame(self.stats, self.warn, reason, seq)
 
     def _check(self, stream: StreamState, frames: list[bytes]) -> int | None:
         if len(frames) != 3:
@@ -84,12 +84,9 @@ class Sequencer:
         self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
     ) -> list[Message | StreamReset]:
         """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
-        self.stats.resyncs += 1
-        endpoint = stream.source.endpoint
-        self.warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
         stream.suspended = False
         stream.jumped_to = None
-        out.append(stream.reset("restart"))
+        out.append(stream.resync(self.stats, self.warn, seq))
         stream.last = stream.live_last = seq
         stream.last_payload = frames[2]
         stream.replayed_through = -1

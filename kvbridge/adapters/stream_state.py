@@ -22,9 +22,9 @@ import zmq
 
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.source import Source, StreamReset
-from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats, skip_bad_frame
 
-__all__ = ["StreamState", "skip_bad_frame"]
+__all__ = ["StreamState"]
 
 
 class StreamState:
@@ -103,6 +103,21 @@ class StreamState:
         self.tokens -= 1
         return StreamReset(self.source, reason, lost)
 
+    def resync(self, stats: SubscriberStats, warn: LogLimiter, seq: int) -> StreamReset:
+        """The reset that starts the stream over at ``seq``, counted and logged as a resync;
+        the caller has checked :meth:`may_clear`."""
+        stats.resyncs += 1
+        endpoint = self.source.endpoint
+        warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+        return self.reset("restart")
+
+    def skip_frame(
+        self, stats: SubscriberStats, warn: LogLimiter, reason: BadFrame, seq: int | None = None
+    ) -> None:
+        """Count and log a frame of this stream skipped for ``reason``
+        (:func:`~kvbridge.adapters.stream_stats.skip_bad_frame`)."""
+        skip_bad_frame(stats.bad_frames, warn, self.source.endpoint, reason, seq)
+
     def suspend(self, warn: LogLimiter, seq: int | None = None) -> None:
         """No token for the clear a discontinuity needs: skip until one is back, then resync.
         Logs the suspension once; the caller counts what it skips."""
@@ -112,17 +127,3 @@ class StreamState:
         endpoint = self.source.endpoint
         at = {} if seq is None else {"seq": seq}
         warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, **at)
-
-
-def skip_bad_frame(
-    stats: SubscriberStats,
-    warn: LogLimiter,
-    stream: StreamState,
-    reason: BadFrame,
-    seq: int | None = None,
-) -> None:
-    """Count a frame skipped for ``reason`` (every one) and log it (within ``warn``'s limits,
-    per stream and reason)."""
-    stats.bad_frames[reason] += 1
-    endpoint = stream.source.endpoint
-    warn("bad frame skipped", (endpoint, reason), stream=endpoint, seq=seq, reason=reason.value)

@@ -5,7 +5,8 @@ misspelt counter is a type error rather than a key nobody reads. Each exported f
 its Prometheus metric (and label) in its metadata, and
 :mod:`~kvbridge.adapters.relay_metrics` builds its metric families from those and from the
 :class:`BadFrame` members: a counter declared here is exported under the name it declares,
-with no string to parse on the way.
+with no string to parse on the way. The name needs its help text in ``relay_metrics.METRICS``
+too (a test scrapes every family, so a name without one fails there).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from kvbridge.adapters.logs import LogLimiter
 
 __all__ = [
     "BadFrame",
@@ -24,6 +28,7 @@ __all__ = [
     "SubscriberStats",
     "bad_frames",
     "exported",
+    "skip_bad_frame",
 ]
 
 _EXPORTED: Final = "exported"
@@ -72,6 +77,27 @@ def exported(
         how = counter.metadata.get(_EXPORTED)
         if how is not None:
             yield how, getattr(stats, counter.name)
+
+
+def skip_bad_frame(
+    counts: Counter[BadFrame],
+    warn: LogLimiter,
+    endpoint: str,
+    reason: BadFrame,
+    seq: int | None,
+    **fields: object,
+) -> None:
+    """Count a frame of ``endpoint``'s stream skipped for ``reason`` (every one) and log it
+    (within ``warn``'s limits, per stream and reason), with ``fields``."""
+    counts[reason] += 1
+    warn(
+        "bad frame skipped",
+        (endpoint, reason),
+        stream=endpoint,
+        seq=seq,
+        reason=reason.value,
+        **fields,
+    )
 
 
 def bad_frames(*stats: SubscriberStats | PipelineStats) -> Counter[BadFrame]:
