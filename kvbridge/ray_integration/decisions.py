@@ -81,7 +81,8 @@ class Release(StrEnum):
 
 @dataclass
 class RegistryStats:
-    """What the router's registry and reservations did with replicas and reservations."""
+    """What the router's registry did with replicas, its reservations with what they held,
+    and the LLM router's tokenizer with prompts it could not tokenize."""
 
     registered: int = 0
     deregistered: int = 0
@@ -106,7 +107,8 @@ class RouterStats:
     overlap_blocks: Counter[str] = field(default_factory=Counter)
     """Sum of the picked workers' overlap by tier: ``device``, ``host_pinned``, ``disk``."""
     registry: RegistryStats = field(default_factory=RegistryStats)
-    """Replicas registered, deregistered and rejected; reservations freed, by why."""
+    """Replicas registered, deregistered and rejected; reservations freed, by why, and frees
+    that failed; prompts that could not be tokenized."""
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISION_LOG))
     token_checks: Counter[str] = field(default_factory=Counter)
     """After each completed request, whether the engine reported storing the prompt the router

@@ -189,7 +189,7 @@ class RoutingState:
         prompt = precomputed_prompt(token_ids, self.block_size, lora_name, self.model_name)
         request = {**prompt, "selection_id": selection_id, "allowed_worker_ids": list(workers)}
         # Shielded: a selection that answers after the timeout (or after the caller was
-        # cancelled) has reserved load, which _free_late frees.
+        # cancelled) has reserved load, which Reservations.free_late frees.
         future = asyncio.ensure_future(self._select(request))
         try:
             choice = await asyncio.wait_for(asyncio.shield(future), self.select_timeout_s)

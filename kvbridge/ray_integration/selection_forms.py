@@ -19,15 +19,13 @@ from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
 from kvbridge.schemas import Overlap
 
 __all__ = [
-    "TIER_CREDIT",
-    "overlap_credit",
     "pick_overlap",
     "precomputed_prompt",
     "ranking",
     "stored_blocks",
 ]
 
-TIER_CREDIT: Final = (1.0, 0.75, 0.25)
+_TIER_CREDIT: Final = (1.0, 0.75, 0.25)
 """Dynamo's credit per matched block on device, host and disk (its default weights)."""
 
 
@@ -78,12 +76,11 @@ def pick_overlap(answer: Mapping[str, Any], block_size: int) -> Overlap:
     )
 
 
-def overlap_credit(overlap: Overlap) -> float:
+def _overlap_credit(overlap: Overlap) -> float:
     """What Dynamo credits a worker for ``overlap`` (cumulative blocks), tier by tier."""
     device, host, disk = overlap.device, overlap.host_pinned, overlap.disk
-    return (
-        TIER_CREDIT[0] * device + TIER_CREDIT[1] * (host - device) + TIER_CREDIT[2] * (disk - host)
-    )
+    on_device, on_host, on_disk = _TIER_CREDIT
+    return on_device * device + on_host * (host - device) + on_disk * (disk - host)
 
 
 def ranking(
@@ -100,7 +97,7 @@ def ranking(
             int(entry["disk_blocks"]),
         )
         wid = int(entry["worker_id"])
-        credit[wid] = max(credit.get(wid, 0.0), overlap_credit(tiers))
+        credit[wid] = max(credit.get(wid, 0.0), _overlap_credit(tiers))
     ordered = sorted((w for w in others if w != picked), key=lambda w: -credit.get(w, 0.0))
     return [[picked]] + [
         list(group) for _, group in itertools.groupby(ordered, lambda w: credit.get(w, 0.0))

@@ -15,18 +15,9 @@ copies with CUDA streams and events. This subclass replaces **only the worker-si
   synchronous tensor copy between the engine's KV pages and that buffer, then reports the
   transfer finished and successful on the next ``get_finished`` poll.
 
-Use it through the OffloadingConnector's out-of-tree spec loading::
-
-    kv_transfer_config = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "SyncCPUOffloadingSpec",
-            "spec_module_path": "cpu_offload_spec",   # importable by the engine processes
-            "cpu_bytes_to_use": 1 << 20,
-            "self_describing_kv_events": True,
-        },
-    }
+Use it through the OffloadingConnector's out-of-tree spec loading, with the configuration
+``offloading.kv_transfer_config(cpu_bytes, self_describing=...)`` makes (this directory on the
+engine processes' ``PYTHONPATH``).
 
 One more key, test-only too, makes engines of the same configuration differ:
 ``"placeholder_kv_events_ports": [5557, ...]`` turns ``self_describing_kv_events`` off for the
@@ -47,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from offloading import PLACEHOLDER_PORTS_KEY  # beside this file, on the engines' path
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -60,8 +52,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 __all__ = ["PLACEHOLDER_PORTS_KEY", "SyncCPUOffloadingSpec", "SyncCPUOffloadingWorker"]
-
-PLACEHOLDER_PORTS_KEY = "placeholder_kv_events_ports"
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm", so vLLM's log config shows it
 

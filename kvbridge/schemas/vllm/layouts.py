@@ -18,14 +18,12 @@ import msgspec
 from kvbridge.schemas.vllm.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = [
-    "LAST_ARRAY_LAYOUT",
     "LAYOUTS",
     "REMOVED_FIELDS",
     "STORED_FIELDS",
     "Layout",
     "layout_for",
     "layout_types",
-    "release_key",
 ]
 
 

@@ -7,7 +7,7 @@ are u32, as Dynamo keeps them). Which release sends which fields is the layout t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Final, TypeAlias
 
 import msgspec
@@ -84,7 +84,7 @@ class BlockStored(_WireEvent, tag="BlockStored"):
     def tokens_short(self) -> bool:
         """Whether the tokens cannot fill the blocks (a placeholder has none to check): such a
         store is invalid, and decoding refuses it."""
-        return bool(self.token_ids) and (
+        return not self.is_placeholder and (
             self.block_size == 0 or len(self.token_ids) < len(self.block_hashes) * self.block_size
         )
 
@@ -120,22 +120,27 @@ def wire_union(
     *,
     array_like: bool,
     strict: bool,
-    fields: Callable[[type[msgspec.Struct]], list[tuple[str, Any, Any]]] = lambda base: [],
-    namespace: Callable[[type[msgspec.Struct]], dict[str, Any] | None] = lambda base: None,
+    nil_fields: Mapping[type[msgspec.Struct], Sequence[str]] | None = None,
+    store_check: Callable[[BlockStored], None] | None = None,
 ) -> Any:
     """The union of the three events as one wire form decodes them (for the decoders; not
     exported): each event a subclass of its public type, tagged with its name, as arrays or
-    maps, with unknown fields refused (``strict``) or ignored, plus the ``fields`` and
-    ``namespace`` given for its type."""
+    maps, with unknown fields refused (``strict``) or ignored. ``nil_fields`` adds, per type,
+    fields that take only nil; ``store_check`` runs on every decoded store."""
+    nil_fields = nil_fields or {}
     stored, removed, cleared = (
         msgspec.defstruct(
             base.__name__,
-            fields(base),
+            [(name, None, None) for name in nil_fields.get(base, ())],
             bases=(base,),
             tag=base.__name__,
             array_like=array_like,
             forbid_unknown_fields=strict,
-            namespace=namespace(base),
+            namespace=(
+                {"__post_init__": store_check}
+                if store_check is not None and base is BlockStored
+                else None
+            ),
         )
         for base in (BlockStored, BlockRemoved, AllBlocksCleared)
     )
