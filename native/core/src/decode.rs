@@ -530,8 +530,9 @@ fn fields_of(tag: &str) -> Fields {
     }
 }
 
-/// An event of the general path, its header read: where it stands in the batch, its bytes, the
-/// reader at its first item, and the event it fills.
+/// An event of the general path: where it stands in the batch, its bytes, the reader over them
+/// (the caller reads the header through it, then calls [`EventInput::array`] or
+/// [`EventInput::map`]), and the event it fills.
 struct EventInput<'a, 'r> {
     index: usize,
     raw: &'a [u8],
@@ -974,18 +975,11 @@ mod fast {
         let count = reader.array_header()?;
         let mut events = Vec::with_capacity(count.min(reader.left()));
         for index in 0..count {
-            let marker = reader.peek()?;
-            let len = usize::from(marker & 0x0f);
-            let is_map = match marker {
-                0x80..=0x8f => true,
-                0x90..=0x9f => false,
+            let (len, is_map) = match reader.peek()? {
+                0x80..=0x8f => (reader.fixmap_header()?, true),
+                0x90..=0x9f => (reader.array_header()?, false),
                 _ => return None,
             };
-            if is_map {
-                reader.fixmap_header()?;
-            } else {
-                reader.array_header()?;
-            }
             let input = EventInput {
                 index,
                 reader: &mut reader,

@@ -327,8 +327,8 @@ impl<'a> Reader<'a> {
         }
         out.truncate(start + done);
         // No form is shorter than the shortest: the widths add up to the shortest's exactly
-        // when each is its value's shortest (a separate pass, which vectorizes).
-        // (Summed in u32, which vectorizes, by chunks that cannot overflow it.)
+        // when each is its value's shortest. A separate pass, summed in u32 by chunks that
+        // cannot overflow it, so that it vectorizes.
         let extra: usize = out[start..]
             .chunks(1 << 28)
             .map(|chunk| {

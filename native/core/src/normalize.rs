@@ -509,8 +509,7 @@ impl Normalizer {
         out.hashes.reserve(arena.hashes.len());
         // A token id takes 5 bytes at the most.
         out.token_msgpack.reserve(arena.tokens.len() * 5);
-        let mut gone = std::mem::take(&mut self.gone);
-        gone.clear();
+        let mut gone = std::mem::take(&mut self.gone); // empty: flush_removal drains it
         let mut gone_tier: Option<Tier> = None;
         for event in &batch.events {
             match event {
