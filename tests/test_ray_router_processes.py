@@ -50,10 +50,14 @@ SESSIONS = 30
 TURNS = 4
 CONCURRENCY = 3
 DEPLOYMENT = "Engine"
-AFFINITY_BOUND = 0.8
+AFFINITY_BOUND = 0.6
 """A follow-up stays on its replica unless that replica is busier by more than its cached
-prefix saves, which with three sessions in flight happens: affinity was 85.6-100% in four
-runs (one process and two alike)."""
+prefix saves, which with three sessions in flight happens: in six runs affinity was
+77.8-97.8% through one process and 91.1-100% through two. A router blind to the cache keeps
+a third of them (one replica in three)."""
+AFFINITY_SLACK = 0.1
+"""Two processes keep sessions as one does: their affinity is at most this below one
+process's (in the six runs, never more than 0.011 below)."""
 LOAD_BOUND = 1.8
 """New sessions per replica stay under this times the mean (18 of 30 on 3 replicas); measured
 10/10/10 through one process in four runs, and 7/9/14 to 9/10/11 through two."""
@@ -152,6 +156,7 @@ def test_two_router_processes_keep_sessions_and_load_as_one(runs: tuple[Run, Run
     assert all(s["fallbacks"] == {} for r in runs for s in r.stats)
     # With two processes, each took half of every session's turns.
     assert [s["outcomes"]["dynamo"] for s in two.stats] == [SESSIONS * TURNS // 2] * 2
+    assert two.affinity >= one.affinity - AFFINITY_SLACK
     for result in runs:
         assert result.affinity >= AFFINITY_BOUND
         assert len(result.new_sessions) == 3
