@@ -36,6 +36,10 @@ A block is one entry of an event's ``block_hashes`` (stored or removed); through
 second of the best (fastest) repetition, the median is printed alongside. The acceptance targets
 are (d)/(a) >= 3.0 and (e)/(a) >= 1.0 on every variant.
 
+Each repetition's minor page faults are counted too, and priced at what a first touch of a
+fresh page costs on this machine (measured before the runs): a new normalizer grows its state
+from empty, and (a) allocates nothing that outlives a payload.
+
 ``--breakdown`` adds, alternating in the same way, where (d) and (e) spend their time: the core
 alone (a loop of ``_core.Normalizer.normalize``), the core with every store dropped (its
 decoder, nearly alone), the core's two writers, msgspec building the ``TieredEvent`` values from
@@ -51,8 +55,10 @@ import argparse
 import gc
 import hashlib
 import json
+import mmap
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -620,25 +626,49 @@ def events_digest(case: Case) -> tuple[str, Counter[str]]:
     return digest.hexdigest(), normalizer.stats
 
 
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def page_fault_us(pages: int = 16_384) -> float:
+    """Microseconds a first touch of a fresh anonymous page costs on this machine: the time to
+    touch each page of a new mapping once, less the time to touch them again."""
+    region = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    try:
+        offsets = range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE)
+        seconds = []
+        for value in (1, 2):
+            start = time.perf_counter()
+            for offset in offsets:
+                region[offset] = value
+            seconds.append(time.perf_counter() - start)
+    finally:
+        region.close()
+    return (seconds[0] - seconds[1]) / pages * 1e6
+
+
 def measure(
     case: Case, measures: Sequence[Measure], repeat: int, before: Before | None
-) -> dict[str, list[float]]:
-    """Seconds per repetition for each measure; the measures (and the pure-Python worker's
-    two) alternate within a repetition."""
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Seconds and minor page faults per repetition for each measure; the measures (and the
+    pure-Python worker's two) alternate within a repetition."""
     times: dict[str, list[float]] = {name: [] for name, _ in measures}
+    faults: dict[str, list[int]] = {name: [] for name, _ in measures}
     if before is not None:
         times["before (a)"], times["before (c)"] = [], []
     for _ in range(repeat):
         for name, function in measures:
             gc.collect()
+            faulted = _minor_faults()
             start = time.perf_counter()
             function(case)
             times[name].append(time.perf_counter() - start)
+            faults[name].append(_minor_faults() - faulted)
         if before is not None:
             answer = before.ask("run")
             times["before (a)"].append(answer["a"])
             times["before (c)"].append(answer["c"])
-    return times
+    return times, faults
 
 
 # -- reporting -------------------------------------------------------------------------------
@@ -678,6 +708,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     variants = [v for v in VARIANTS if not args.variant or any(s in v.name for s in args.variant)]
+    if not variants:
+        parser.error(f"no variant's name contains any of {args.variant}")
 
     host = machine()
     print(
@@ -685,6 +717,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{host['python']}, msgspec {host['msgspec']}, kvbridge {host['commit']} from "
         f"{host['kvbridge']}"
     )
+    fault_us = page_fault_us()
+    print(f"a first touch of a fresh page (a minor fault) costs {fault_us:.2f} us here")
     started = time.perf_counter()
     steps_by_size = {
         size: simulate(size, args.blocks, args.seed) for size in {v.block_size for v in variants}
@@ -724,11 +758,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "not_forwarded": dict(sorted(answer["stats"].items())),
             }
         try:
-            times = measure(case, measures, args.repeat, before)
+            times, faults = measure(case, measures, args.repeat, before)
         finally:
             if before is not None:
                 before.close()
         result["seconds"] = times
+        result["minor_faults"] = faults
         result["rates"] = {name: _rate(blocks, seconds) for name, seconds in times.items()}
         results.append(result)
         print(
@@ -767,6 +802,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 worst[name] = min(worst[name], ratio["best"])
         result["ratios"] = ratios
         print(f"{result['name']:<24} {result['blocks']:>7} {cells}")
+
+    print(
+        "\nminor page faults per repetition (median), and what they cost per block at the "
+        f"{fault_us:.2f} us a fault measured above\n"
+    )
+    faulted = [name for name in names if name != "(b) decode"]
+    if args.breakdown:
+        faulted.append("core")
+    header = f"{'variant':<24}" + "".join(f" {n:>18}" for n in faulted)
+    _print_header(header)
+    for result in results:
+        cells = ""
+        for name in faulted:
+            count = statistics.median(result["minor_faults"][name])
+            cells += f" {count:>7.0f} ({count * fault_us * 1e3 / result['blocks']:4.0f} ns/bl)"
+        print(f"{result['name']:<24}{cells}")
 
     if args.before is not None:
         print(
@@ -847,6 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeat=args.repeat,
             seed=args.seed,
             targets=TARGETS,
+            page_fault_us=fault_us,
             variants=results,
         )
     return 0
