@@ -155,8 +155,7 @@ class ReplayClient:
                     start=start,
                 )
                 self.stats.replay_timeouts += 1
-                dealer.close(0)  # late replies must not be read as the next replay's
-                stream.dealer = None
+                self.close(stream)  # late replies must not be read as the next replay's
                 break
             answer = parse_answer(dealer.recv_multipart(), topic)
             if answer is None:
@@ -183,7 +182,13 @@ class ReplayClient:
                     messages=len(messages),
                     bytes=size,
                 )
-                dealer.close(0)  # the rest of this answer must not be read as the next one
-                stream.dealer = None
+                self.close(stream)  # the rest of this answer must not be read as the next one
                 break
         return messages
+
+    def close(self, stream: StreamState) -> None:
+        """Close the replay socket this client opened for ``stream``, if any; the next
+        :meth:`fetch` opens a new one."""
+        if stream.dealer is not None:
+            stream.dealer.close(0)
+            stream.dealer = None

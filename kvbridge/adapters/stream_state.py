@@ -72,7 +72,8 @@ class StreamState:
         self.jumped_to: int | None = None
         """The sequence of the last message skipped as a jump, to notice a stream that moved."""
         self.dealer: zmq.Socket[bytes] | None = None
-        """The replay DEALER, opened on the first replay."""
+        """The replay DEALER: the subscriber's ``ReplayClient`` opens it on the first replay and
+        closes it."""
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
         self.last_payload = b""

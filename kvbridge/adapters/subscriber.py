@@ -314,7 +314,6 @@ class Subscriber(ClosedOnExit):
     def close(self) -> None:
         for stream in list(self._streams.values()):
             self._detach(stream)
-            if stream.dealer is not None:
-                stream.dealer.close(0)
+            self.replay_client.close(stream)
         self._by_source.clear()
         self._order.clear()

@@ -148,16 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(option, action=_Refuse, reason=reason, help=argparse.SUPPRESS)
 
     def command(
-        name: str, run: Callable[[argparse.Namespace], int], *, live: bool = False, **options: Any
+        name: str,
+        run: Callable[[argparse.Namespace], int],
+        *,
+        live: bool = False,
+        logs: bool = True,
+        **options: Any,
     ) -> argparse.ArgumentParser:
         """A command's parser, with ``run`` as its default. A live command (it follows engines'
         streams: relay, record, watch) takes the sources and serves metrics; any other refuses
-        ``--metrics-port`` with the reason."""
-        parents = [log_format, metrics, sources] if live else [log_format]
+        ``--metrics-port`` with the reason. One that writes no log refuses ``--log-format``."""
+        parents = [log_format, metrics, sources] if live else [log_format] if logs else []
         added = commands.add_parser(name, parents=parents, **options)
         added.set_defaults(run=run)
         if not live:
             refuse(added, "--metrics-port", f"kvbridge {name} serves no metrics ({_LIVE})")
+        if not logs:
+            refuse(added, "--log-format", f"kvbridge {name} writes no log")
+            added.set_defaults(log_format="console")
         return added
 
     demo = command(
@@ -312,10 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-schema", action="store_true", help="print the JSON Schema of the JSON report"
     )
 
-    schema = commands.add_parser(
-        "schema", help="print the JSON Schema of every vLLM layout and Dynamo's"
+    command(
+        "schema",
+        run_schema,
+        logs=False,
+        help="print the JSON Schema of every vLLM layout and Dynamo's",
     )
-    refuse(schema, "--metrics-port", f"kvbridge schema serves no metrics ({_LIVE})")
-    refuse(schema, "--log-format", "kvbridge schema writes no log")
-    schema.set_defaults(run=run_schema, log_format="console")
     return parser
