@@ -114,11 +114,12 @@ def publisher(endpoint: str, blocks: int, seed: int, control: Connection) -> Non
     from normalize import VARIANTS, count_blocks, encode_steps, simulate
     from relay_throughput import gpu_only
 
-    from kvbridge.schemas.vllm import AllBlocksCleared, VllmBatch, encode_batch, layout_for
+    from kvbridge.schemas.vllm import AllBlocksCleared
+    from kvbridge.testing.events import TS0, encoded
 
     variant = next(v for v in VARIANTS if v.release == "0.32.0" and not v.bytes_hashes)
     payloads = encode_steps(gpu_only(simulate(BLOCK_SIZE, blocks, seed)), variant)
-    clear = encode_batch(VllmBatch(1_700_000_000.0, [AllBlocksCleared()], 0), layout_for("0.32.0"))
+    clear = encoded([AllBlocksCleared()], ts=TS0, release="0.32.0")
     cycle = [*payloads, clear]
     counts = [sum(count_blocks([payload])[0].values()) for payload in cycle]
     del payloads
@@ -346,7 +347,7 @@ class Bench:
         )
         self.helper.start()
         self.router = Router(args.seed)
-        self.cycle_blocks = sum(self.counts)
+        self.cycle_blocks: int = sum(self.counts)
         self.prefix = [0]
         for count in self.counts:
             self.prefix.append(self.prefix[-1] + count)

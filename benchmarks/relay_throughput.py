@@ -81,7 +81,7 @@ from kvbridge import Normalizer
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.tiers import Tier
-from kvbridge.schemas.vllm import BlockStored, VllmBatch, encode_batch, layout_for
+from kvbridge.testing.events import encoded, stored
 
 TOPIC = b"kv-events"
 BLOCK_SIZE = 16
@@ -127,18 +127,8 @@ def sentinel(seed: int) -> tuple[list[int], bytes]:
     rng = random.Random(seed)
     tokens = [rng.randrange(VOCAB) for _ in range(SENTINEL_BLOCKS * BLOCK_SIZE)]
     hashes = [rng.getrandbits(63) for _ in range(SENTINEL_BLOCKS)]
-    store = BlockStored(
-        hashes,
-        None,
-        tokens,
-        BLOCK_SIZE,
-        None,
-        "GPU",
-        None,
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-    )
-    return tokens, encode_batch(VllmBatch(2_000_000_000.0, [store], 0), layout_for(RELEASE))
+    store = stored(hashes, tokens, block_size=BLOCK_SIZE, extra_keys=None)
+    return tokens, encoded([store], ts=2_000_000_000.0, release=RELEASE)
 
 
 # -- the middles -------------------------------------------------------------------------------
