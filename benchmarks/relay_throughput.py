@@ -25,7 +25,8 @@ the last output message, and for Dynamo, ``overlap_scores`` of the sentinel's to
 16 blocks on the device tier (polled every ``--poll-ms`` from the Dynamo process; each poll costs
 that process about 0.1 ms). Throughput is input blocks (one per event block hash) per second.
 The publisher and the sink share core 0. All high-water marks are unlimited, so nothing is
-dropped: the sink checks it received exactly the expected number of messages, and after each
+dropped: the sink checks it received exactly the expected number of events (the relay merges
+batches that queue up, ``Relay(merge_bytes=...)``, so its messages are fewer), and after each
 Dynamo run the script compares the blocks in Dynamo's index (``indexer_snapshot``) with those
 kvbridge's normalizer holds for the same stream.
 
@@ -236,7 +237,24 @@ def dynamo(
         done.send((end, cpu, held))
 
 
+def event_count(payload: bytes) -> int:
+    """The number of events of a vLLM batch ``[ts, events, dp_rank]``, read from its header
+    alone (msgspec writes the time as a float64)."""
+    if payload[:2] != b"\x93\xcb":
+        raise ValueError(f"not a batch with a float64 time: {payload[:2].hex()}")
+    marker = payload[10]
+    if 0x90 <= marker <= 0x9F:
+        return marker & 0x0F
+    if marker == 0xDC:
+        return int.from_bytes(payload[11:13], "big")
+    if marker == 0xDD:
+        return int.from_bytes(payload[11:15], "big")
+    raise ValueError(f"not an event list: {marker:#x}")
+
+
 def sink(endpoint: str, expected: int, ready: Connection, done: Connection) -> None:
+    """Receives until ``expected`` events arrived (a relay merges batches in a backlog, so the
+    messages are not counted), or nothing came for 10 s."""
     pin(0)
     context = zmq.Context()
     sub = subscriber(context, endpoint)
@@ -245,8 +263,7 @@ def sink(endpoint: str, expected: int, ready: Connection, done: Connection) -> N
     while received < expected:
         if sub.poll(10_000) == 0:
             break
-        sub.recv_multipart()
-        received += 1
+        received += event_count(sub.recv_multipart()[-1])
     done.send((received, time.perf_counter()))
     context.destroy(linger=0)
 
@@ -324,7 +341,7 @@ def run(
         received, end = done.recv()
         _perf(perf_fifo, "disable")
         if received != expected:
-            raise SystemExit(f"{middle}: the sink got {received} messages, expected {expected}")
+            raise SystemExit(f"{middle}: the sink got {received} events, expected {expected}")
         stop.set()
         result.cpu, result.profile = ready.recv()
         assert receiver is not None
@@ -374,8 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = by_kind.total()
     normalizer = Normalizer(WORKER_ID, BLOCK_SIZE)
     outputs = sum(
-        len(normalizer.process(p, s).canonical_payloads(0.0)) for s, p in enumerate(payloads)
+        event_count(canonical)
+        for seq, payload in enumerate(payloads)
+        for canonical in normalizer.process(payload, seq).canonical_payloads(0.0)
     )
+    inputs = sum(map(event_count, payloads))
     resident = normalizer.resident_blocks(0, Tier.DEVICE)
     mix = ", ".join(f"{k} {n} in {events_by_kind[k]} events" for k, n in sorted(by_kind.items()))
     drops = ", ".join(f"{k} {v}" for k, v in sorted(normalizer.stats.items())) or "none"
@@ -384,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"salt: {len(payloads)} payloads, {blocks} blocks ({mix}), the last a "
         f"{SENTINEL_BLOCKS}-block sentinel"
     )
-    print(f"relay: {outputs} output payloads, not forwarded: {drops}; {resident} blocks resident")
+    print(f"relay: {outputs} output events, not forwarded: {drops}; {resident} blocks resident")
 
     middles = tuple(m for m in MIDDLES if m in args.middles)
     rates: dict[str, list[float]] = {middle: [] for middle in middles}
@@ -393,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repetition in range(args.repeat):
         shift = repetition % len(middles)
         for middle in middles[shift:] + middles[:shift]:
-            expected = len(payloads) if middle == "forward" else outputs
+            expected = inputs if middle == "forward" else outputs
             result = run(
                 middle, payloads, expected, tokens, args.poll_ms / 1000, perf_fifo=args.perf_fifo
             )

@@ -9,7 +9,8 @@
 3. Bad frames are counted by reason (relay metrics, ``kvbridge watch``) and the relay keeps
    serving.
 4. The relay's Prometheus metrics after a stream with tiers, drops, a replayed gap and a restart.
-5. The outputs of a worker with two dp ranks name each its own rank before any batch has.
+5. A backlog goes out merged: one canonical batch holding the events of the queued ones.
+6. The outputs of a worker with two dp ranks name each its own rank before any batch has.
 
 The relay, its replay protocol and Dynamo's listener: README.md, "The relay in front of Dynamo"
 and "Failure modes".
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,13 +33,14 @@ import zmq
 from support.relay_process import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
 from support.selection_harness import Overlap, SelectionHarness
 
+from kvbridge import Normalizer
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES, Relay
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.vllm import Event
-from kvbridge.testing.events import BLOCK_SIZE, encoded, placeholder, removed, stored
+from kvbridge.testing.events import BLOCK_SIZE, TS0, encoded, placeholder, removed, stored
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -300,7 +303,7 @@ def test_dynamo_replays_from_the_relay(make_rig: Callable[..., Rig]) -> None:
     registered afterwards with the relay's publish and replay endpoints sees one live batch
     (seq > 0, so it replays from 0 over the relay's ROUTER) and then holds all five; one
     registered without the replay endpoint holds only the live one."""
-    rig = make_rig([7])
+    rig = make_rig([7], extra=["--merge-bytes", "0"])  # a message per batch: counted below
     rig.wait_connected(peers_per_output=0)
     source = rig.source(7)
     prompt = list(range(100, 112))
@@ -412,7 +415,8 @@ def test_bad_frames_counted_and_relay_keeps_serving(
 def test_metrics_after_tiers_drops_gap_and_restart(
     make_rig: Callable[..., Rig], harness: SelectionHarness
 ) -> None:
-    rig, source = one_worker(make_rig, harness)
+    # a message per batch, so that the batches out are counted exactly below
+    rig, source = one_worker(make_rig, harness, extra=["--merge-bytes", "0"])
     old = list(range(100, 112))
     new = list(range(200, 208))
 
@@ -550,7 +554,80 @@ def test_relay_restart_with_lost_batches_clears_dynamo(
     assert harness.overlap(old) == {}  # actual: {(1, 0): (2, 2, 2)}, evicted long ago
 
 
-# --------------------------------------------------------------------------- 5. dp ranks
+# --------------------------------------------------------------------------- 5. merged backlog
+
+
+def _backlog() -> list[bytes]:
+    """Five batches of one engine: a chain stored, offloaded, partly removed, extended."""
+    tokens = [list(range(BLOCK_SIZE * i, BLOCK_SIZE * (i + 1))) for i in range(4)]
+    steps: list[list[Event]] = [
+        [stored([11, 12], tokens[0] + tokens[1])],
+        [stored([13], tokens[2], parent=12)],
+        [stored([12, 13], tokens[1] + tokens[2], parent=11, medium="CPU")],
+        [removed([13])],
+        [stored([14], tokens[3], parent=12), removed([12, 13], medium="CPU")],
+    ]
+    return [encoded(events, ts=TS0 + step) for step, events in enumerate(steps)]
+
+
+def _events(payload: bytes) -> tuple[float, list[object], int]:
+    ts, events, rank = msgspec.msgpack.decode(payload)
+    return ts, events, rank
+
+
+@pytest.mark.parametrize("merge_bytes", [DEFAULT_MERGE_BYTES, 1])
+def test_a_backlog_goes_out_merged(merge_bytes: int) -> None:
+    """Batches queued before the relay steps go out as one canonical batch with every event
+    of theirs in order (those the same batches make one by one), stamped with the last one's
+    time. With ``merge_bytes`` below a batch's size each batch is a message of its own, as the
+    normalizer writes it."""
+    payloads = _backlog()
+    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
+    alone = [
+        _events(canonical)
+        for seq, payload in enumerate(payloads)
+        for canonical in normalizer.process(payload, seq).canonical_payloads(TS0 + seq)
+    ]
+    base = free_port_range(2)
+    ctx = zmq.Context()
+    engine = Publisher(f"tcp://127.0.0.1:{base}", context=ctx, bind=True)
+    source = Source(engine.endpoint, worker_id=1, bind=False)
+    with (
+        engine,
+        Relay(
+            [source],
+            block_size=BLOCK_SIZE,
+            publish=f"tcp://127.0.0.1:{base + 1}",
+            heartbeat_s=None,
+            context=ctx,
+            merge_bytes=merge_bytes,
+        ) as relay,
+    ):
+        out = ctx.socket(zmq.SUB)
+        out.setsockopt(zmq.SUBSCRIBE, b"")
+        out.setsockopt(zmq.RCVTIMEO, 5000)
+        out.connect(relay.endpoints(source)[0])
+        assert engine.wait_for_subscribers()
+        wait_tcp_peers(base + 1, 1)
+        for payload in payloads:
+            engine.publish(payload)
+        time.sleep(0.5)  # five small messages over loopback: all queued on the relay's SUB
+        assert relay.step(1000) == len(payloads)
+        received = [_events(out.recv_multipart()[-1]) for _ in range(relay.stats.batches_out)]
+        out.setsockopt(zmq.RCVTIMEO, 200)
+        with pytest.raises(zmq.Again):
+            out.recv_multipart()
+        out.close(linger=0)
+    ctx.term()
+    if merge_bytes == 1:
+        assert received == alone
+    else:
+        merged_events = [event for _, events, _ in alone for event in events]
+        assert received == [(TS0 + len(payloads) - 1, merged_events, 0)]
+        assert len(merged_events) == 6  # one per input event: every one is forwarded
+
+
+# --------------------------------------------------------------------------- 6. dp ranks
 
 
 def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:

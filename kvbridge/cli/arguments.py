@@ -98,6 +98,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A size where 0 turns something off."""
+    value: int = _number(text, int, 0, "an integer")
+    return value
+
+
 def medium(text: str) -> str:
     """A medium name as vLLM spells them (``GPU``, ``CPU``...), upper-cased, as
     :func:`~kvbridge.cli.validation.validate_captures` counts them."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Final, NoReturn
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS
+from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES
 from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES
 from kvbridge.cli import arguments
 from kvbridge.cli.demo_command import run_demo
@@ -206,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=arguments.positive_int,
         default=DEFAULT_BUFFER_STEPS,
         help="replay buffer, in batches",
+    )
+    relay.add_argument(
+        "--merge-bytes",
+        type=arguments.non_negative_int,
+        default=DEFAULT_MERGE_BYTES,
+        help="in a backlog, merge an output's consecutive batches into canonical batches of up "
+        "to about this many bytes (0: one batch per input batch)",
     )
     relay.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
 

@@ -35,6 +35,7 @@ def run_relay(args: argparse.Namespace) -> int:
         buffer_steps=args.buffer_steps,
         max_frame_bytes=args.max_frame_bytes,
         replay_on_start=True,
+        merge_bytes=args.merge_bytes,
     ) as relay:
         live.start_metrics(args, relay)
         for source in relay.outputs:

@@ -19,4 +19,4 @@ pub use media::Tier;
 pub use normalize::{
     Action, Counters, DropReason, FirstDrop, Limits, Normalizer, MAIN_ATTENTION_KINDS,
 };
-pub use output::{Body, OutEvent, Output, Store};
+pub use output::{canonical_payloads, Body, OutEvent, Output, Store};

@@ -68,44 +68,15 @@ impl Output {
     /// hashes, a medium Dynamo knows, tokens on every store, and the cache salt tagged the way
     /// Dynamo reads it. The clears of a rank's tiers collapse into one medium-less clear.
     pub fn canonical_payloads(&self, block_size: u64, worker_ts: f64) -> Vec<Vec<u8>> {
-        let mut payloads = Vec::new();
-        let mut start = 0;
-        while start < self.events.len() {
-            let rank = self.events[start].dp_rank;
-            let end = self.events[start..]
-                .iter()
-                .position(|event| event.dp_rank != rank)
-                .map_or(self.events.len(), |offset| start + offset);
-            payloads.push(self.canonical_batch(&self.events[start..end], block_size, worker_ts));
-            start = end;
-        }
-        payloads
+        canonical_payloads(&[(self, worker_ts)], block_size, usize::MAX)
     }
 
-    fn canonical_batch(&self, events: &[OutEvent], block_size: u64, ts: f64) -> Vec<u8> {
-        let mut kept: Vec<&OutEvent> = Vec::with_capacity(events.len());
-        for event in events {
-            let repeat = matches!(event.body, Body::Cleared)
-                && kept
-                    .last()
-                    .is_some_and(|last| matches!(last.body, Body::Cleared));
-            if !repeat {
-                kept.push(event);
-            }
-        }
-        let mut out = Vec::with_capacity(
-            64 + kept.len() * 160
-                + self.token_msgpack.len()
-                + (self.blocks.len() + self.hashes.len()) * 9,
-        );
-        write::array(&mut out, 3);
-        write::float(&mut out, ts);
-        write::array(&mut out, kept.len());
-        for event in &kept {
-            self.write_canonical_event(&mut out, event, block_size);
-        }
-        write::uint(&mut out, u64::from(events[0].dp_rank));
-        out
+    /// About the bytes of this output's canonical payloads: room reserved for them, and what
+    /// [`canonical_payloads`] weighs outputs by.
+    fn canonical_size(&self) -> usize {
+        64 + self.events.len() * 160
+            + self.token_msgpack.len()
+            + (self.blocks.len() + self.hashes.len()) * 9
     }
 
     fn write_canonical_event(&self, out: &mut Vec<u8>, event: &OutEvent, block_size: u64) {
@@ -231,6 +202,74 @@ impl Output {
     }
 }
 
+/// The canonical payloads of consecutive outputs of one normalizer, each with its engine time,
+/// as few as fit: the events of all of them, in order, one batch per run of one dp rank (the
+/// clears of a rank's tiers collapsing into one, as [`Output::canonical_payloads`] writes
+/// them), a batch closed before the output that would take it past about `max_bytes`. One
+/// output's run of a rank is never split, so a batch exceeds `max_bytes` only when one output
+/// alone does. A batch is stamped with the time of the last output it holds events of.
+///
+/// A relay in a backlog sends one message where it would send several: each message costs
+/// the sender's and the receiver's ZMQ a wake-up and a write of their own.
+pub fn canonical_payloads(
+    outputs: &[(&Output, f64)],
+    block_size: u64,
+    max_bytes: usize,
+) -> Vec<Vec<u8>> {
+    let mut batches = Vec::new();
+    let mut batch = Batch::default();
+    for &(output, ts) in outputs {
+        let weight = output.canonical_size();
+        if !batch.run.is_empty() && batch.size.saturating_add(weight) > max_bytes {
+            batches.push(batch.take(block_size));
+        }
+        for event in &output.events {
+            if let Some(&(_, last)) = batch.run.last() {
+                if last.dp_rank != event.dp_rank {
+                    batch.size = batch.size.max(weight);
+                    batches.push(batch.take(block_size));
+                } else if matches!(last.body, Body::Cleared) && matches!(event.body, Body::Cleared)
+                {
+                    continue;
+                }
+            }
+            batch.run.push((output, event));
+            batch.ts = ts;
+        }
+        batch.size = batch.size.saturating_add(weight);
+    }
+    if !batch.run.is_empty() {
+        batches.push(batch.take(block_size));
+    }
+    batches
+}
+
+/// A canonical batch being gathered: events of one dp rank, each with the output whose lists
+/// it names, the time of the last, and about the bytes it will take.
+#[derive(Default)]
+struct Batch<'a> {
+    run: Vec<(&'a Output, &'a OutEvent)>,
+    ts: f64,
+    size: usize,
+}
+
+impl Batch<'_> {
+    /// The batch's bytes; it is left empty.
+    fn take(&mut self, block_size: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.size);
+        write::array(&mut out, 3);
+        write::float(&mut out, self.ts);
+        write::array(&mut out, self.run.len());
+        for (output, event) in &self.run {
+            output.write_canonical_event(&mut out, event, block_size);
+        }
+        write::uint(&mut out, u64::from(self.run[0].1.dp_rank));
+        self.run.clear();
+        self.size = 0;
+        out
+    }
+}
+
 /// The constant stretches of the canonical payloads' events, as msgpack (the tests check them
 /// against the writers): map headers sized as msgspec sizes them, keys and constant values.
 mod canonical {
@@ -270,6 +309,122 @@ fn write_opt_str(out: &mut Vec<u8>, value: Option<&str>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::msgpack::Reader;
+
+    fn event(dp_rank: u32, tier: Tier, body: Body) -> OutEvent {
+        OutEvent {
+            dp_rank,
+            tier,
+            event_id: 7,
+            body,
+        }
+    }
+
+    fn removal(dp_rank: u32, hashes: &[u64]) -> Output {
+        let mut out = Output::default();
+        out.hashes.extend_from_slice(hashes);
+        let body = Body::Removed {
+            hashes: 0..hashes.len(),
+        };
+        out.events.push(event(dp_rank, Tier::Device, body));
+        out
+    }
+
+    fn store(dp_rank: u32, blocks: &[(u64, u64)], tokens: &[u32]) -> Output {
+        let mut out = Output::default();
+        out.blocks.extend_from_slice(blocks);
+        write::small_uints(&mut out.token_msgpack, tokens);
+        let body = Body::Stored(Store {
+            parent: Some(99),
+            blocks: 0..blocks.len(),
+            tokens: 0..out.token_msgpack.len(),
+            token_count: tokens.len(),
+            lora_name: None,
+            cache_salt: None,
+        });
+        out.events.push(event(dp_rank, Tier::HostPinned, body));
+        out
+    }
+
+    fn clears(dp_rank: u32) -> Output {
+        let mut out = Output::default();
+        for tier in [Tier::Device, Tier::HostPinned] {
+            out.events.push(event(dp_rank, tier, Body::Cleared));
+        }
+        out
+    }
+
+    /// A canonical batch's (event count, event bytes, dp rank).
+    fn parts(payload: &[u8]) -> (usize, &[u8], u64) {
+        let mut reader = Reader::new(payload);
+        assert_eq!(reader.array_header(), Some(3));
+        reader.skip(1).unwrap();
+        let count = reader.array_header().unwrap();
+        let start = reader.position();
+        for _ in 0..count {
+            reader.skip(8).unwrap();
+        }
+        let events = &payload[start..reader.position()];
+        let rank = reader.any_int().unwrap();
+        assert!(reader.is_empty());
+        (count, events, rank)
+    }
+
+    fn alone(outputs: &[&Output]) -> Vec<Vec<u8>> {
+        outputs
+            .iter()
+            .flat_map(|output| output.canonical_payloads(16, 1.0))
+            .collect()
+    }
+
+    #[test]
+    fn merged_outputs_are_one_batch_of_all_their_events_in_order() {
+        let (a, b, c) = (
+            removal(0, &[1, 2]),
+            store(0, &[(3, 4), (5, 6)], &[1, 300, 70_000, 9]),
+            removal(0, &[3]),
+        );
+        let merged = canonical_payloads(&[(&a, 1.0), (&b, 2.0), (&c, 3.0)], 16, usize::MAX);
+        assert_eq!(merged.len(), 1);
+        let (count, events, rank) = parts(&merged[0]);
+        let singles = alone(&[&a, &b, &c]);
+        let mut expected = Vec::new();
+        for single in &singles {
+            expected.extend_from_slice(parts(single).1);
+        }
+        assert_eq!((count, events, rank), (3, expected.as_slice(), 0));
+        let mut ts = Vec::new();
+        write::float(&mut ts, 3.0);
+        assert_eq!(&merged[0][1..10], ts.as_slice()); // the last output's time
+    }
+
+    #[test]
+    fn a_batch_closes_before_the_output_that_would_pass_max_bytes() {
+        let (a, b, c) = (removal(0, &[1]), removal(0, &[2]), removal(0, &[3]));
+        let weight = a.canonical_size();
+        let timed = [(&a, 1.0), (&b, 1.0), (&c, 1.0)];
+        let merged = canonical_payloads(&timed, 16, 2 * weight);
+        let mut first = canonical_payloads(&timed[..2], 16, usize::MAX);
+        first.extend(alone(&[&c]));
+        assert_eq!(merged, first);
+        assert_eq!(canonical_payloads(&timed[..2], 16, 0), alone(&[&a, &b]));
+    }
+
+    #[test]
+    fn ranks_split_batches_and_clears_collapse_across_outputs() {
+        let both = [(&clears(0), 1.0), (&clears(0), 1.0)];
+        let merged = canonical_payloads(&both, 16, usize::MAX);
+        assert_eq!(merged, clears(0).canonical_payloads(16, 1.0));
+        assert_eq!(parts(&merged[0]).0, 1);
+        let (a, b) = (removal(0, &[1]), removal(1, &[2]));
+        let merged = canonical_payloads(&[(&a, 1.0), (&clears(1), 1.0), (&b, 1.0)], 16, usize::MAX);
+        let ranks: Vec<_> = merged.iter().map(|p| (parts(p).0, parts(p).2)).collect();
+        assert_eq!(ranks, [(1, 0), (2, 1)]);
+        assert_eq!(
+            canonical_payloads(&[], 16, usize::MAX),
+            Vec::<Vec<u8>>::new()
+        );
+    }
 
     fn strs(parts: &[&str]) -> Vec<u8> {
         let mut out = Vec::new();

@@ -115,15 +115,38 @@ fn check_decode(data: &[u8], arena: &mut Arena) {
     }
 }
 
-/// Both encodings of an output; the canonical payloads are vLLM payloads and must decode.
+/// Both encodings of an output; the canonical payloads are vLLM payloads and must decode,
+/// alone and merged (the output twice): merged without a bound they hold every event of the
+/// two but a clear that collapses where they meet, and bounded to 0 bytes exactly every one.
 fn encode(normalizer: &Normalizer, output: &Output) {
     let ts = output.batch.map_or(0.0, |(ts, _)| ts);
-    let mut arena = Arena::default();
-    for payload in output.canonical_payloads(normalizer.block_size as u64, ts) {
-        if let Err(error) = decode(&payload, &mut arena) {
-            panic!("a canonical payload does not decode: {error}: {payload:02x?}");
+    let block_size = normalizer.block_size as u64;
+    let events = |payloads: &[Vec<u8>]| {
+        let mut arena = Arena::default();
+        let mut count = 0;
+        for payload in payloads {
+            match decode(payload, &mut arena) {
+                Ok(batch) => count += batch.events.len(),
+                Err(error) => {
+                    panic!("a canonical payload does not decode: {error}: {payload:02x?}")
+                }
+            }
         }
-    }
+        count
+    };
+    let alone = events(&output.canonical_payloads(block_size, ts));
+    let twice = [(output, ts), (output, ts)];
+    let merged = events(&kvbridge_core::canonical_payloads(
+        &twice,
+        block_size,
+        usize::MAX,
+    ));
+    assert!(
+        merged <= 2 * alone && merged + 1 >= 2 * alone,
+        "{merged} events from 2 x {alone}"
+    );
+    let apart = events(&kvbridge_core::canonical_payloads(&twice, block_size, 0));
+    assert_eq!(apart, 2 * alone);
     let _ = output.tiered_events(normalizer.worker_id);
 }
 

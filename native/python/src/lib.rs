@@ -277,6 +277,37 @@ impl PyOutput {
     }
 }
 
+/// The canonical payloads of consecutive outputs of one normalizer, each with its engine time,
+/// merged into as few batches as fit in about `max_bytes` each (see
+/// `kvbridge_core::canonical_payloads`), written with the GIL released.
+#[pyfunction]
+fn canonical_payloads<'py>(
+    py: Python<'py>,
+    outputs: Vec<(Py<PyOutput>, f64)>,
+    max_bytes: usize,
+) -> PyResult<Bound<'py, PyList>> {
+    let Some((first, _)) = outputs.first() else {
+        return Ok(PyList::empty(py));
+    };
+    let block_size = first.get().block_size;
+    if outputs
+        .iter()
+        .any(|(output, _)| output.get().block_size != block_size)
+    {
+        return Err(PyValueError::new_err(
+            "outputs of normalizers with different block sizes",
+        ));
+    }
+    let payloads = py.detach(|| {
+        let outputs: Vec<(&Output, f64)> = outputs
+            .iter()
+            .map(|(output, ts)| (&output.get().output, *ts))
+            .collect();
+        kvbridge_core::canonical_payloads(&outputs, block_size, max_bytes)
+    });
+    PyList::new(py, payloads.iter().map(|payload| PyBytes::new(py, payload)))
+}
+
 /// The core's decoding of a payload, as plain values, for differential tests against the
 /// msgspec decoder: `(ts, dp_rank, unknown_fields, events)`, each event a tuple of its tag and
 /// its fields in layout order (hashes as u64, extra keys as msgpack bytes).
@@ -332,6 +363,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyNormalizer>()?;
     module.add_class::<PyOutput>()?;
     module.add_function(wrap_pyfunction!(decode_view, module)?)?;
+    module.add_function(wrap_pyfunction!(canonical_payloads, module)?)?;
     module.add("PayloadError", module.py().get_type::<PayloadError>())?;
     module.add("STORED_FIELDS", layout::STORED_FIELDS.to_vec())?;
     module.add("REMOVED_FIELDS", layout::REMOVED_FIELDS.to_vec())?;
