@@ -318,6 +318,31 @@ def test_replay_after_buffer_aged_out(
         ]
 
 
+def test_replay_buffer_bounded_in_bytes(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """buffer_bytes=10: of 4-byte batches it keeps the last two (12 bytes would not fit), and a
+    batch larger than the bound alone, the newest being kept whatever its size."""
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_bytes=10) as pub:
+        assert pub.replay_endpoint is not None
+        for i in range(4):
+            pub.publish(f"b{i:03}".encode(), send=False)
+        sock = dealer(ctx, pub.replay_endpoint)
+        assert request_replay(pub, sock, 0) == [
+            [b"", b"", seq8(2), b"b002"],
+            [b"", b"", seq8(3), b"b003"],
+            [b"", b"", END_SEQ, b""],
+        ]
+        assert pub.publish(b"x" * 11, send=False) == 4
+        assert request_replay(pub, sock, 0) == [
+            [b"", b"", seq8(4), b"x" * 11],
+            [b"", b"", END_SEQ, b""],
+        ]
+        pub.restart()
+        pub.publish(b"n000", send=False)
+        assert request_replay(pub, sock, 0)[0] == [b"", b"", seq8(0), b"n000"]
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        Publisher(LOCAL, bind=True, buffer_bytes=-1)
+
+
 def test_restart_empties_replay_buffer(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
         assert pub.replay_endpoint is not None

@@ -74,6 +74,9 @@ class Publisher(ClosedOnExit):
             socket, as in vLLM.
         topic: frame 0 of every live message (and of 0.26+ replay replies).
         buffer_steps: size of the replay ring buffer, in batches.
+        buffer_bytes: at most this many payload bytes in the ring buffer (the newest batch is
+            kept whatever its size); ``None``, the default, bounds it in batches only, as vLLM
+            does.
         replay_topic_frame: ``True`` for the vLLM 0.26+ replay layout (with the topic frame),
             ``False`` for the legacy one.
         context: ZMQ context to create the sockets in. If omitted the publisher creates its own
@@ -84,7 +87,7 @@ class Publisher(ClosedOnExit):
         first_seq: the seq of the first batch (a vLLM engine starts at 0).
 
     Raises:
-        ValueError: ``buffer_steps`` or ``hwm`` is negative.
+        ValueError: ``buffer_steps``, ``buffer_bytes`` or ``hwm`` is negative.
         zmq.ZMQError: a socket could not bind or connect.
     """
 
@@ -95,6 +98,7 @@ class Publisher(ClosedOnExit):
         replay_endpoint: str | None = None,
         topic: str = "",
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        buffer_bytes: int | None = None,
         replay_topic_frame: bool = True,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         bind: bool | None = None,
@@ -103,10 +107,12 @@ class Publisher(ClosedOnExit):
     ) -> None:
         if buffer_steps < 0:
             raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
+        if buffer_bytes is not None and buffer_bytes < 0:
+            raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
         if hwm < 0:
             raise ValueError(f"hwm must be >= 0, got {hwm}")
         self._topic: Final[bytes] = topic.encode()
-        self._buffer: Final = ReplayBuffer(buffer_steps, first_seq)
+        self._buffer: Final = ReplayBuffer(buffer_steps, first_seq, buffer_bytes)
         self._closed = False
 
         self._owns_context = context is None

@@ -85,11 +85,14 @@ PUBLISH_BURST: Final = 256
 25 us of normalizing each, the first of a burst goes out at most 6.4 ms later than it would
 alone, and the backlog as a whole is out sooner: 41 us a batch against 52 without bursts
 (2,299 queued batches through one core, best of 10 runs each)."""
-DEFAULT_MERGE_BYTES: Final = 16 * 1024
+DEFAULT_MERGE_BYTES: Final = 64 * 1024
 """About the largest canonical batch the relay merges a burst's batches into. Merged, a
-backlog costs fewer messages at both ends; the bound keeps a merged batch to a few engine
-steps, so that the replay buffer (``buffer_steps`` batches) stays within a few times its
-unmerged size. 0 merges nothing."""
+backlog costs fewer messages at both ends (:data:`DEFAULT_BUFFER_BYTES` bounds what the replay
+buffer holds of them). 0 merges nothing."""
+DEFAULT_BUFFER_BYTES: Final = 64 * 1024 * 1024
+"""Payload bytes each output's replay buffer holds at most, besides its ``buffer_steps``
+batches: a backlog's merged batches, or an engine's long prefills, cannot make it grow past
+this. A request older than the buffer gets a snapshot, as one older than its batches does."""
 
 
 DEFAULT_OUTPUT_HWM: Final = 10_000
@@ -163,6 +166,7 @@ class Relay(ClosedOnExit):
         publish_replay: str | None = None,
         topic: str = "",
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        buffer_bytes: int | None = DEFAULT_BUFFER_BYTES,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         index: TieredIndex | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -218,6 +222,7 @@ class Relay(ClosedOnExit):
                 replay_endpoint=offset_endpoint(publish_replay, offset) if publish_replay else None,
                 topic=topic,
                 buffer_steps=buffer_steps,
+                buffer_bytes=buffer_bytes,
                 context=self.context,
                 bind=True,
                 first_seq=first_seq,

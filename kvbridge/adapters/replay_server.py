@@ -38,14 +38,20 @@ def last_endpoint(socket: zmq.Socket[bytes]) -> str:
 
 
 class ReplayBuffer:
-    """The last ``buffer_steps`` batches of a stream, with their seqs, and the seq of the next.
+    """The last ``buffer_steps`` batches of a stream, with their seqs, and the seq of the next;
+    with ``buffer_bytes``, no more of them than fit in that many payload bytes (the newest is
+    kept whatever its size).
 
     The publishing thread appends and the replay thread reads, so a lock guards it.
     """
 
-    def __init__(self, buffer_steps: int, first_seq: int) -> None:
+    def __init__(self, buffer_steps: int, first_seq: int, buffer_bytes: int | None = None) -> None:
         self._lock = threading.Lock()
-        self._batches: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._batches: deque[tuple[int, bytes]] = deque()
+        self._steps = buffer_steps
+        self._max_bytes = buffer_bytes
+        self._bytes = 0
+        """Payload bytes held."""
         self._next_seq = first_seq
         self.snapshot: Callable[[], tuple[int, list[bytes]] | None] | None = None
         """Called on the replay thread for a request older than the buffer: ``(next_seq,
@@ -55,7 +61,7 @@ class ReplayBuffer:
     @property
     def steps(self) -> int:
         """How many batches it holds at the most (``buffer_steps``)."""
-        return self._batches.maxlen or 0  # always made with one
+        return self._steps
 
     @property
     def next_seq(self) -> int:
@@ -69,7 +75,16 @@ class ReplayBuffer:
         with self._lock:
             used = self._next_seq if seq is None else seq
             self._next_seq = used + 1
-            self._batches.append((used, payload))
+            batches = self._batches
+            if self._steps == 0:
+                return used
+            batches.append((used, payload))
+            self._bytes += len(payload)
+            bound = self._max_bytes
+            while len(batches) > self._steps or (
+                bound is not None and self._bytes > bound and len(batches) > 1
+            ):
+                self._bytes -= len(batches.popleft()[1])
         return used
 
     def restart(self) -> None:
@@ -77,6 +92,7 @@ class ReplayBuffer:
         with self._lock:
             self._next_seq = 0
             self._batches.clear()
+            self._bytes = 0
 
     def answer(self, start_seq: int) -> list[tuple[int, bytes]]:
         """The ``(seq, payload)`` batches that answer a request from ``start_seq``: the buffered

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, Final, NoReturn
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS
-from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES
+from kvbridge.adapters.relay import DEFAULT_BUFFER_BYTES, DEFAULT_MERGE_BYTES
 from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES
 from kvbridge.cli import arguments
 from kvbridge.cli.demo_command import run_demo
@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=arguments.positive_int,
         default=DEFAULT_BUFFER_STEPS,
         help="replay buffer, in batches",
+    )
+    relay.add_argument(
+        "--buffer-bytes",
+        type=arguments.positive_int,
+        default=DEFAULT_BUFFER_BYTES,
+        help="replay buffer, at most this many payload bytes",
     )
     relay.add_argument(
         "--merge-bytes",

@@ -33,6 +33,7 @@ def run_relay(args: argparse.Namespace) -> int:
         publish_replay=args.publish_replay.address if args.publish_replay else None,
         topic=args.topic,
         buffer_steps=args.buffer_steps,
+        buffer_bytes=args.buffer_bytes,
         max_frame_bytes=args.max_frame_bytes,
         replay_on_start=True,
         merge_bytes=args.merge_bytes,
