@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -39,6 +40,7 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES, Relay
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Source
+from kvbridge.normalizers.batch import merged_canonical_payloads
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import BLOCK_SIZE, TS0, encoded, placeholder, removed, stored
 
@@ -625,6 +627,64 @@ def test_a_backlog_goes_out_merged(merge_bytes: int) -> None:
         merged_events = [event for _, events, _ in alone for event in events]
         assert received == [(TS0 + len(payloads) - 1, merged_events, 0)]
         assert len(merged_events) == 6  # one per input event: every one is forwarded
+
+
+def test_two_outputs_each_merge_their_own_batches() -> None:
+    """Batches of two engines queued interleaved go out as one merged batch per output, each
+    with its own engine's events in order."""
+    payloads = _backlog()
+    base = free_port_range(4)
+    ctx = zmq.Context()
+    engines = [Publisher(f"tcp://127.0.0.1:{base + i}", context=ctx, bind=True) for i in (0, 1)]
+    sources = [Source(e.endpoint, worker_id=i + 1, bind=False) for i, e in enumerate(engines)]
+    with (
+        engines[0],
+        engines[1],
+        Relay(
+            sources,
+            block_size=BLOCK_SIZE,
+            publish=f"tcp://127.0.0.1:{base + 2}",
+            heartbeat_s=None,
+            context=ctx,
+        ) as relay,
+    ):
+        outs = []
+        for source in sources:
+            out = ctx.socket(zmq.SUB)
+            out.setsockopt(zmq.SUBSCRIBE, b"")
+            out.setsockopt(zmq.RCVTIMEO, 5000)
+            out.connect(relay.endpoints(source)[0])
+            outs.append(out)
+        for engine in engines:
+            assert engine.wait_for_subscribers()
+        wait_tcp_peers(base + 2, 1)
+        wait_tcp_peers(base + 3, 1)
+        for payload in payloads:
+            for engine in engines:
+                engine.publish(payload)
+        time.sleep(0.5)  # ten small messages over loopback: all queued on the relay's SUBs
+        assert relay.step(1000) == 2 * len(payloads)
+        assert relay.stats.batches_out == 2
+        received = [_events(out.recv_multipart()[-1]) for out in outs]
+        for out in outs:
+            out.close(linger=0)
+    ctx.term()
+    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
+    batches = [(normalizer.process(p, seq), TS0 + seq) for seq, p in enumerate(payloads)]
+    (expected,) = merged_canonical_payloads(batches, DEFAULT_MERGE_BYTES)
+    assert received == [_events(expected)] * 2
+
+
+def test_merged_payloads_take_any_bound() -> None:
+    """A bound past what the core counts in means none; a negative one is refused."""
+    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
+    batches = [(normalizer.process(p, seq), TS0 + seq) for seq, p in enumerate(_backlog())]
+    unbounded = merged_canonical_payloads(batches, 2**70)
+    assert len(unbounded) == 1
+    assert unbounded == merged_canonical_payloads(batches, sys.maxsize)
+    assert len(merged_canonical_payloads(batches, 0)) == len(batches)
+    with pytest.raises(ValueError, match="max_bytes must be >= 0, got -1"):
+        merged_canonical_payloads(batches, -1)
 
 
 # --------------------------------------------------------------------------- 6. dp ranks

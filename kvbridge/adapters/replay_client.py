@@ -155,7 +155,7 @@ class ReplayClient:
                     start=start,
                 )
                 self.stats.replay_timeouts += 1
-                self.close(stream)  # late replies must not be read as the next replay's
+                self.close_dealer(stream)  # late replies must not be read as the next replay's
                 break
             answer = parse_answer(dealer.recv_multipart(), topic)
             if answer is None:
@@ -182,11 +182,11 @@ class ReplayClient:
                     messages=len(messages),
                     bytes=size,
                 )
-                self.close(stream)  # the rest of this answer must not be read as the next one
+                self.close_dealer(stream)  # the rest of this answer must not be the next one's
                 break
         return messages
 
-    def close(self, stream: StreamState) -> None:
+    def close_dealer(self, stream: StreamState) -> None:
         """Close the replay socket this client opened for ``stream``, if any; the next
         :meth:`fetch` opens a new one."""
         if stream.dealer is not None:

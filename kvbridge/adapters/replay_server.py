@@ -101,8 +101,12 @@ class ReplayBuffer:
         with self._lock:
             batches = self._batches
             older = start_seq < (batches[0][0] if batches else self._next_seq)
+            provider = self.snapshot
+            if not older or provider is None:
+                # read under the lock that decided, so that no batch it counted on goes first
+                return [(seq, payload) for seq, payload in batches if seq >= start_seq]
         answer: list[tuple[int, bytes]] = []
-        snapshot = self.snapshot() if older and self.snapshot is not None else None
+        snapshot = provider()
         if snapshot is not None:
             # Numbered from the seq asked for (Dynamo's listener calls a replay that starts
             # later "incomplete"); the buffered batches from the snapshot's point follow. A

@@ -139,8 +139,8 @@ class PipelineStats:
     batches_in: int = _exported("kvbridge_batches_total", ("direction", "in"))
     """Every payload fed, good or bad."""
     batches_out: int = _exported("kvbridge_batches_total", ("direction", "out"))
-    """Canonical payloads published (a relay merges a backlog's consecutive batches of an
-    output, so during one fewer go out than come in)."""
+    """Canonical payloads published (a relay merges the consecutive batches of an output
+    that queued up, so during a backlog fewer go out than come in)."""
     bad_frames: Counter[BadFrame] = field(default_factory=Counter)
     """Payloads skipped, by reason (:attr:`BadFrame.SCHEMA`)."""
 

@@ -314,6 +314,6 @@ class Subscriber(ClosedOnExit):
     def close(self) -> None:
         for stream in list(self._streams.values()):
             self._detach(stream)
-            self.replay_client.close(stream)
+            self.replay_client.close_dealer(stream)
         self._by_source.clear()
         self._order.clear()

@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         """A command's parser, with ``run`` as its default. A live command (it follows engines'
         streams: relay, record, watch) takes the sources and serves metrics; any other refuses
         ``--metrics-port`` with the reason. One that writes no log refuses ``--log-format``."""
+        assert logs or not live, "a live command logs"
         parents = [log_format, metrics, sources] if live else [log_format] if logs else []
         added = commands.add_parser(name, parents=parents, **options)
         added.set_defaults(run=run)
@@ -212,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--buffer-bytes",
         type=arguments.positive_int,
         default=DEFAULT_BUFFER_BYTES,
-        help="replay buffer, at most this many payload bytes",
+        help="replay buffer, at most this many payload bytes (besides --buffer-steps batches)",
     )
     relay.add_argument(
         "--merge-bytes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Final
 
@@ -67,11 +68,15 @@ def merged_canonical_payloads(
 ) -> list[bytes]:
     """The canonical payloads of consecutive batches of one normalizer, each given with the
     time to stamp it with, in as few messages as fit: their events in order, one payload per
-    run of one dp rank, each closed before the batch that would take it past about
-    ``max_bytes`` (a batch is never split, so one larger than that goes out alone) and stamped
-    with the time of the last batch it holds.
+    run of one dp rank, each closed before the batch that would take it past ``max_bytes``
+    (a batch is never split by size, so one larger than that goes out alone) and stamped with
+    the time of the last batch whose events it holds. Any ``max_bytes`` from ``sys.maxsize``
+    up means no bound.
 
     A relay with a backlog sends one message where it would send several: every message costs
     ZMQ a wake-up and a write at both ends, which dominates a small batch's cost.
     """
-    return _core.canonical_payloads([(batch._output, ts) for batch, ts in batches], max_bytes)
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    outputs = [(batch._output, ts) for batch, ts in batches]
+    return _core.canonical_payloads(outputs, min(max_bytes, sys.maxsize))

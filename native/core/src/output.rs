@@ -71,12 +71,60 @@ impl Output {
         canonical_payloads(&[(self, worker_ts)], block_size, usize::MAX)
     }
 
-    /// About the bytes of this output's canonical payloads: room reserved for them, and what
-    /// [`canonical_payloads`] weighs outputs by.
-    fn canonical_size(&self) -> usize {
-        64 + self.events.len() * 160
-            + self.token_msgpack.len()
-            + (self.blocks.len() + self.hashes.len()) * 9
+    /// At least the bytes of this output's canonical payloads, every number and header taken
+    /// at its widest: the room reserved for them, and what [`canonical_payloads`] weighs
+    /// outputs by.
+    pub fn canonical_size(&self) -> usize {
+        // per batch (one per run of a rank): its array header, time, event list header, rank
+        const BATCH: usize = 1 + 9 + 5 + 9;
+        let runs = 1 + self
+            .events
+            .windows(2)
+            .filter(|pair| pair[0].dp_rank != pair[1].dp_rank)
+            .count();
+        let events: usize = self.events.iter().map(Self::canonical_event_size).sum();
+        BATCH * runs + events
+    }
+
+    /// At least the bytes [`Output::write_canonical_event`] writes for `event`.
+    fn canonical_event_size(event: &OutEvent) -> usize {
+        use canonical::*;
+        match &event.body {
+            Body::Stored(store) => {
+                let blocks = store.blocks.len();
+                // "extra_keys", its list, the first block's list of one salt, a nil per other
+                let salt = store.cache_salt.as_deref().map_or(0, |salt| {
+                    11 + 5 + 1 + 5 + DYNAMO_SALT_PREFIX.len() + salt.len() + blocks
+                });
+                let lora = store.lora_name.as_deref().map_or(0, str::len);
+                STORED_HEAD_SALTED.len()
+                    + 5
+                    + 9 * blocks
+                    + PARENT.len()
+                    + 9
+                    + TOKEN_IDS.len()
+                    + 5
+                    + store.tokens.len()
+                    + BLOCK_SIZE.len()
+                    + 9
+                    + LORA_ID_MEDIUM.len()
+                    + 9
+                    + LORA_NAME.len()
+                    + 5
+                    + lora
+                    + salt
+                    + STORED_TAIL.len()
+            }
+            Body::Removed { hashes } => {
+                REMOVED_HEAD.len()
+                    + 5
+                    + 9 * hashes.len()
+                    + MEDIUM_KEY.len()
+                    + 9
+                    + REMOVED_TAIL.len()
+            }
+            Body::Cleared => CLEARED.len(),
+        }
     }
 
     fn write_canonical_event(&self, out: &mut Vec<u8>, event: &OutEvent, block_size: u64) {
@@ -396,6 +444,36 @@ mod tests {
         let mut ts = Vec::new();
         write::float(&mut ts, 3.0);
         assert_eq!(&merged[0][1..10], ts.as_slice()); // the last output's time
+    }
+
+    #[test]
+    fn canonical_size_bounds_the_payloads() {
+        let mut salted = store(1, &[(u64::MAX, 1), (u64::MAX - 1, 2)], &[u32::MAX; 8]);
+        if let Body::Stored(stored) = &mut salted.events[0].body {
+            stored.lora_name = Some("a-lora-adapter".into());
+            stored.cache_salt = Some("salt".repeat(20).into());
+        }
+        let mut ranks = removal(0, &[u64::MAX, 7]);
+        ranks.events.extend(clears(3).events);
+        ranks.events.extend(removal(0, &[1]).events);
+        for output in [
+            salted,
+            ranks,
+            store(0, &[(1, 1)], &[1]),
+            clears(0),
+            Output::default(),
+        ] {
+            let written: usize = output
+                .canonical_payloads(u64::MAX, 1.0)
+                .iter()
+                .map(Vec::len)
+                .sum();
+            assert!(
+                written <= output.canonical_size(),
+                "{written} > {}",
+                output.canonical_size()
+            );
+        }
     }
 
     #[test]

@@ -117,7 +117,8 @@ fn check_decode(data: &[u8], arena: &mut Arena) {
 
 /// Both encodings of an output; the canonical payloads are vLLM payloads and must decode,
 /// alone and merged (the output twice): merged without a bound they hold every event of the
-/// two but a clear that collapses where they meet, and bounded to 0 bytes exactly every one.
+/// two but a clear that collapses where they meet, and bounded to 0 bytes exactly every one;
+/// `Output::canonical_size` bounds the bytes alone.
 fn encode(normalizer: &Normalizer, output: &Output) {
     let ts = output.batch.map_or(0.0, |(ts, _)| ts);
     let block_size = normalizer.block_size as u64;
@@ -134,7 +135,13 @@ fn encode(normalizer: &Normalizer, output: &Output) {
         }
         count
     };
-    let alone = events(&output.canonical_payloads(block_size, ts));
+    let payloads = output.canonical_payloads(block_size, ts);
+    let written: usize = payloads.iter().map(Vec::len).sum();
+    assert!(
+        written <= output.canonical_size(),
+        "{written} bytes, over canonical_size"
+    );
+    let alone = events(&payloads);
     let twice = [(output, ts), (output, ts)];
     let merged = events(&kvbridge_core::canonical_payloads(
         &twice,
