@@ -79,6 +79,7 @@ from normalize import VARIANTS, Family, count_blocks, encode_steps, simulate
 from procs import free_port, pin, subscriber
 
 from kvbridge import Normalizer
+from kvbridge.adapters.publisher import _send
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.tiers import Tier
@@ -148,7 +149,7 @@ def forward(source: str, out: str, ready: Connection, stop: EventType, profile: 
     ready.send(True)
     cpu = _cpu()
     noblock, sndmore = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-    send = zmq.backend.Socket.send
+    send = _send
     while not stop.is_set():
         if sub.poll(50):
             while True:
@@ -395,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seq, payload in enumerate(payloads)
         for canonical in normalizer.process(payload, seq).canonical_payloads(0.0)
     )
-    inputs = sum(map(event_count, payloads))
+    inputs = events_by_kind.total()
     resident = normalizer.resident_blocks(0, Tier.DEVICE)
     mix = ", ".join(f"{k} {n} in {events_by_kind[k]} events" for k, n in sorted(by_kind.items()))
     drops = ", ".join(f"{k} {v}" for k, v in sorted(normalizer.stats.items())) or "none"

@@ -572,6 +572,17 @@ def _backlog() -> list[bytes]:
     return [encoded(events, ts=TS0 + step) for step, events in enumerate(steps)]
 
 
+def _output_sub(
+    ctx: zmq.Context[zmq.Socket[bytes]], relay: Relay, source: Source
+) -> zmq.Socket[bytes]:
+    """A SUB on ``source``'s relay output, every message, 5 s to receive one."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(relay.endpoints(source)[0])
+    return sub
+
+
 def _events(payload: bytes) -> tuple[float, list[object], int]:
     ts, events, rank = msgspec.msgpack.decode(payload)
     return ts, events, rank
@@ -605,10 +616,7 @@ def test_a_backlog_goes_out_merged(merge_bytes: int) -> None:
             merge_bytes=merge_bytes,
         ) as relay,
     ):
-        out = ctx.socket(zmq.SUB)
-        out.setsockopt(zmq.SUBSCRIBE, b"")
-        out.setsockopt(zmq.RCVTIMEO, 5000)
-        out.connect(relay.endpoints(source)[0])
+        out = _output_sub(ctx, relay, source)
         assert engine.wait_for_subscribers()
         wait_tcp_peers(base + 1, 1)
         for payload in payloads:
@@ -648,13 +656,7 @@ def test_two_outputs_each_merge_their_own_batches() -> None:
             context=ctx,
         ) as relay,
     ):
-        outs = []
-        for source in sources:
-            out = ctx.socket(zmq.SUB)
-            out.setsockopt(zmq.SUBSCRIBE, b"")
-            out.setsockopt(zmq.RCVTIMEO, 5000)
-            out.connect(relay.endpoints(source)[0])
-            outs.append(out)
+        outs = [_output_sub(ctx, relay, source) for source in sources]
         for engine in engines:
             assert engine.wait_for_subscribers()
         wait_tcp_peers(base + 2, 1)
@@ -706,10 +708,7 @@ def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
         context=ctx,
     ) as relay:
         opened = {source: relay.outputs[source].next_seq - 1 for source in sources}
-        live = ctx.socket(zmq.SUB)
-        live.setsockopt(zmq.SUBSCRIBE, b"")
-        live.setsockopt(zmq.RCVTIMEO, 5000)
-        live.connect(relay.endpoints(sources[1])[0])
+        live = _output_sub(ctx, relay, sources[1])
         relay.start()
 
         def replay(source: Source, start: int) -> list[tuple[float, list[object], int]]:

@@ -143,7 +143,7 @@ class ReplayClient:
         dealer.send_multipart(request_frames(start))
         messages: list[Message] = []
         size = 0
-        topic = source.topic.encode()
+        expected_topic = source.topic.encode()
         deadline = time.monotonic() + self.timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -157,7 +157,7 @@ class ReplayClient:
                 self.stats.replay_timeouts += 1
                 self.close_dealer(stream)  # late replies must not be read as the next replay's
                 break
-            answer = parse_answer(dealer.recv_multipart(), topic)
+            answer = parse_answer(dealer.recv_multipart(), expected_topic)
             if answer is None:
                 stream.skip_frame(self.stats, self.warn, BadFrame.REPLAY_FRAME_COUNT)
                 continue

@@ -78,5 +78,8 @@ def merged_canonical_payloads(
     """
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    if len(batches) == 1:  # a batch that arrived alone: nothing to merge or weigh
+        batch, ts = batches[0]
+        return batch.canonical_payloads(ts)
     outputs = [(batch._output, ts) for batch, ts in batches]
     return _core.canonical_payloads(outputs, min(max_bytes, sys.maxsize))

@@ -51,7 +51,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-__all__ = ["PLACEHOLDER_PORTS_KEY", "SyncCPUOffloadingSpec", "SyncCPUOffloadingWorker"]
+__all__ = ["SyncCPUOffloadingSpec", "SyncCPUOffloadingWorker"]
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm", so vLLM's log config shows it
 

@@ -75,15 +75,13 @@ impl Output {
     /// at its widest: the room reserved for them, and what [`canonical_payloads`] weighs
     /// outputs by.
     pub fn canonical_size(&self) -> usize {
-        // per batch (one per run of a rank): its array header, time, event list header, rank
-        const BATCH: usize = 1 + 9 + 5 + 9;
         let runs = 1 + self
             .events
             .windows(2)
             .filter(|pair| pair[0].dp_rank != pair[1].dp_rank)
             .count();
         let events: usize = self.events.iter().map(Self::canonical_event_size).sum();
-        BATCH * runs + events
+        BATCH_SIZE * runs + events
     }
 
     /// At least the bytes [`Output::write_canonical_event`] writes for `event`.
@@ -94,7 +92,7 @@ impl Output {
                 let blocks = store.blocks.len();
                 // "extra_keys", its list, the first block's list of one salt, a nil per other
                 let salt = store.cache_salt.as_deref().map_or(0, |salt| {
-                    11 + 5 + 1 + 5 + DYNAMO_SALT_PREFIX.len() + salt.len() + blocks
+                    EXTRA_KEYS.len() + 5 + 1 + 5 + DYNAMO_SALT_PREFIX.len() + salt.len() + blocks
                 });
                 let lora = store.lora_name.as_deref().map_or(0, str::len);
                 STORED_HEAD_SALTED.len()
@@ -108,7 +106,7 @@ impl Output {
                     + BLOCK_SIZE.len()
                     + 9
                     + LORA_ID_MEDIUM.len()
-                    + 9
+                    + MEDIUM_MAX
                     + LORA_NAME.len()
                     + 5
                     + lora
@@ -120,7 +118,7 @@ impl Output {
                     + 5
                     + 9 * hashes.len()
                     + MEDIUM_KEY.len()
-                    + 9
+                    + MEDIUM_MAX
                     + REMOVED_TAIL.len()
             }
             Body::Cleared => CLEARED.len(),
@@ -159,7 +157,7 @@ impl Output {
                 }
                 if let Some(salt) = salt {
                     // Dynamo reads each event's salt from its first block's extra keys.
-                    write::str(out, "extra_keys");
+                    out.extend_from_slice(canonical::EXTRA_KEYS);
                     write::array(out, store.blocks.len());
                     write::array(out, 1);
                     write::str(out, &format!("{DYNAMO_SALT_PREFIX}{salt}"));
@@ -267,14 +265,18 @@ pub fn canonical_payloads(
     let mut batches = Vec::new();
     let mut batch = Batch::default();
     for &(output, ts) in outputs {
-        let weight = output.canonical_size();
-        if !batch.run.is_empty() && batch.size.saturating_add(weight) > max_bytes {
+        // unbounded (one output's payloads, say), no output needs weighing
+        let weight = if max_bytes == usize::MAX {
+            0
+        } else {
+            output.canonical_size()
+        };
+        if !batch.run.is_empty() && batch.weight.saturating_add(weight) > max_bytes {
             batches.push(batch.take(block_size));
         }
         for event in &output.events {
             if let Some(&(_, last)) = batch.run.last() {
                 if last.dp_rank != event.dp_rank {
-                    batch.size = batch.size.max(weight);
                     batches.push(batch.take(block_size));
                 } else if matches!(last.body, Body::Cleared) && matches!(event.body, Body::Cleared)
                 {
@@ -282,9 +284,10 @@ pub fn canonical_payloads(
                 }
             }
             batch.run.push((output, event));
+            batch.room += Output::canonical_event_size(event);
             batch.ts = ts;
         }
-        batch.size = batch.size.saturating_add(weight);
+        batch.weight = batch.weight.saturating_add(weight);
     }
     if !batch.run.is_empty() {
         batches.push(batch.take(block_size));
@@ -293,18 +296,20 @@ pub fn canonical_payloads(
 }
 
 /// A canonical batch being gathered: events of one dp rank, each with the output whose lists
-/// it names, the time of the last, and about the bytes it will take.
+/// it names, the time of the last, the weight of the outputs it holds events of (what the
+/// bound is checked against) and at least the bytes of its events.
 #[derive(Default)]
 struct Batch<'a> {
     run: Vec<(&'a Output, &'a OutEvent)>,
     ts: f64,
-    size: usize,
+    weight: usize,
+    room: usize,
 }
 
 impl Batch<'_> {
     /// The batch's bytes; it is left empty.
     fn take(&mut self, block_size: u64) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.size);
+        let mut out = Vec::with_capacity(BATCH_SIZE + self.room);
         write::array(&mut out, 3);
         write::float(&mut out, self.ts);
         write::array(&mut out, self.run.len());
@@ -313,7 +318,8 @@ impl Batch<'_> {
         }
         write::uint(&mut out, u64::from(self.run[0].1.dp_rank));
         self.run.clear();
-        self.size = 0;
+        self.weight = 0;
+        self.room = 0;
         out
     }
 }
@@ -340,7 +346,24 @@ mod canonical {
     /// A removal's `group_idx`, after its medium.
     pub const REMOVED_TAIL: &[u8] = b"\xa9group_idx\x00";
     pub const CLEARED: &[u8] = b"\x81\xa4type\xb0AllBlocksCleared";
+    /// The key a cache salt goes under.
+    pub const EXTRA_KEYS: &[u8] = b"\xaaextra_keys";
+    /// The longest of [`MEDIUM`].
+    pub const MEDIUM_MAX: usize = {
+        let (mut max, mut index) = (0, 0);
+        while index < MEDIUM.len() {
+            if MEDIUM[index].len() > max {
+                max = MEDIUM[index].len();
+            }
+            index += 1;
+        }
+        max
+    };
 }
+
+/// A canonical batch's own bytes at their widest: its array header, time, event list header
+/// and dp rank.
+const BATCH_SIZE: usize = 1 + 9 + 5 + 9;
 
 fn write_event_tail(out: &mut Vec<u8>, dp_rank: u32) {
     write::str(out, "dp_rank");
@@ -549,5 +572,7 @@ mod tests {
         write::uint(&mut tail, 0);
         assert_eq!(canonical::REMOVED_TAIL, tail);
         assert_eq!(canonical::CLEARED, tag(1, 1, CLEARED));
+        assert_eq!(canonical::EXTRA_KEYS, strs(&["extra_keys"]));
+        assert_eq!(canonical::MEDIUM_MAX, strs(&["EXTERNAL"]).len());
     }
 }
