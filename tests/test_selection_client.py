@@ -67,8 +67,11 @@ def pick_after_active_request(
         )
         return result
 
-    deadline = time.monotonic() + 5
-    while select(p2)["overlap"]["gpu"] < 12 * BLOCK and time.monotonic() < deadline:
+    # Both workers' streams are indexed on their own; wait for each, not for one of them.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(
+        select(prompt)["overlap"]["gpu"] >= 12 * BLOCK for prompt in (p1, p2)
+    ):
         time.sleep(0.01)
     assert select(p1)["worker_id"] == 1, "P1 is cached on worker 1 only"
     reserved = client.call_sync(
