@@ -113,8 +113,18 @@ const SMALL_UINT: [(u8, u8, u32); 256] = {
     table
 };
 
-/// How many token ids [`Reader::small_uints`] makes room for at once.
-const SMALL_UINTS_CHUNK: usize = 256;
+/// How many token ids [`Reader::small_uints`] reads per window of widths.
+const SMALL_UINTS_WINDOW: usize = 64;
+
+/// The width of [`SMALL_UINT`] for a marker, computed rather than looked up, so that a pass of
+/// it over many bytes vectorizes.
+#[inline(always)]
+fn small_uint_width(marker: u8) -> u8 {
+    u8::from(marker < 0x80)
+        | (u8::from(marker == 0xcc) * 2)
+        | (u8::from(marker == 0xcd) * 3)
+        | (u8::from(marker == 0xce) * 5)
+}
 
 /// The width of an integer below 2**32 in its shortest msgpack form, less one.
 #[inline(always)]
@@ -294,35 +304,48 @@ impl<'a> Reader<'a> {
 
     /// Reads up to `count` non-negative integers below 2**32 into `out`, as [`Reader::small_uint`]
     /// reads each, and stops at the first other item (left unread).
-    /// The fast path of token lists: no branch on the width, which varies from token to token.
+    ///
+    /// The fast path of token lists. Where each token starts depends on the width of the one
+    /// before, which varies from token to token: that chain, not the decoding, bounds the loop.
+    /// So the width a token starting at each byte would have is worked out first for a window
+    /// of bytes (a pass with no chain, which vectorizes), and the chain is then one load from
+    /// that window and an add per token.
     #[inline]
     pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> SmallUints {
         let data = self.data;
         let mut pos = self.pos;
         let start = out.len();
-        let room = count.min(data.len() - pos);
         let mut done = 0;
-        // Written by index (no capacity check per token) into room made a chunk at a time, so
-        // that a list whose items mostly take the general path, which calls this again after
-        // each, does not zero the rest of the list every time.
-        'chunks: while done < room {
-            let chunk = (room - done).min(SMALL_UINTS_CHUNK);
+        let mut widths = [0u8; SMALL_UINTS_WINDOW * 5 + 5];
+        while done < count {
+            let chunk = (count - done).min(SMALL_UINTS_WINDOW);
+            // Eight bytes are read for every token whatever its width (the widest is 5): a
+            // token starts only where eight remain, the last few of a payload take the general
+            // path. Past the window's bytes the widths are 0, which stops the chain.
+            let span = (chunk * 5).min(data.len().saturating_sub(pos + 7));
+            for (width, &marker) in widths.iter_mut().zip(&data[pos..pos + span]) {
+                *width = small_uint_width(marker);
+            }
+            widths[span..span + 5].fill(0);
             out.resize(start + done + chunk, 0);
-            let values = &mut out[start + done..];
-            for value in values.iter_mut() {
-                // Eight bytes are read for every token whatever its width (the widest is 5):
-                // the last few tokens of a payload take the general path.
-                let Some(bytes) = data.get(pos..).and_then(<[u8]>::first_chunk::<8>) else {
-                    break 'chunks;
-                };
-                let word = u64::from_be_bytes(*bytes);
-                let (width, shift, mask) = SMALL_UINT[(word >> 56) as usize];
+            let mut offset = 0;
+            let mut read = 0;
+            for value in &mut out[start + done..] {
+                let width = widths[offset];
                 if width == 0 {
-                    break 'chunks;
+                    break;
                 }
+                let at = pos + offset;
+                let word = u64::from_be_bytes(data[at..at + 8].try_into().expect("8 bytes"));
+                let (_, shift, mask) = SMALL_UINT[(word >> 56) as usize];
                 *value = (word >> shift) as u32 & mask;
-                pos += usize::from(width);
-                done += 1;
+                offset += usize::from(width);
+                read += 1;
+            }
+            pos += offset;
+            done += read;
+            if read < chunk {
+                break;
             }
         }
         out.truncate(start + done);
@@ -793,6 +816,48 @@ mod tests {
         // Truncated or malformed before the limit: no answer.
         assert_eq!(too_deep(&[0x91, 0x91, 0xdc]), None);
         assert_eq!(too_deep(&[0x92, 0xc1, 0x91]), None);
+    }
+
+    #[test]
+    fn small_uint_width_is_the_tables() {
+        for marker in 0..=u8::MAX {
+            assert_eq!(small_uint_width(marker), SMALL_UINT[usize::from(marker)].0);
+        }
+    }
+
+    #[test]
+    fn small_uints_stop_where_the_general_path_takes_over() {
+        // 200 tokens of every width, then a nil: read across windows, up to the nil, or up to
+        // the last eight bytes, whichever comes first.
+        let values: Vec<u32> = (0..200u32)
+            .map(|i| [5, 200, 70_000, 300][i as usize % 4])
+            .collect();
+        let mut bytes = Vec::new();
+        write::small_uints(&mut bytes, &values);
+        let tokens_end = bytes.len();
+        bytes.extend_from_slice(&[0xc0; 8]);
+        for count in [0, 1, 63, 64, 65, 128, 200, 201] {
+            let mut reader = Reader::new(&bytes);
+            let mut out = vec![7];
+            let read = reader.small_uints(count, &mut out);
+            let expected = count.min(200);
+            assert_eq!(
+                read,
+                SmallUints {
+                    count: expected,
+                    shortest: true
+                }
+            );
+            assert_eq!(out[1..], values[..expected]);
+            let mut written = Vec::new();
+            write::small_uints(&mut written, &values[..expected]);
+            assert_eq!(reader.pos, written.len());
+        }
+        // Without the padding the last tokens are left to the general path.
+        let mut out = Vec::new();
+        let read = Reader::new(&bytes[..tokens_end]).small_uints(200, &mut out);
+        assert!(read.count < 200 && read.count >= 196, "{read:?}");
+        assert_eq!(out, values[..read.count]);
     }
 
     #[test]
