@@ -97,27 +97,12 @@ impl<'a> Lax<'a> {
     }
 }
 
-/// For each marker byte: (width, shift, mask) of a non-negative integer below 2**32 read from
-/// the big-endian word of the marker and the seven bytes after it, or width 0 for any other
-/// item.
-const SMALL_UINT: [(u8, u8, u32); 256] = {
-    let mut table = [(0u8, 0u8, 0u32); 256];
-    let mut marker = 0;
-    while marker < 0x80 {
-        table[marker] = (1, 56, 0x7f);
-        marker += 1;
-    }
-    table[0xcc] = (2, 48, 0xff);
-    table[0xcd] = (3, 40, 0xffff);
-    table[0xce] = (5, 24, u32::MAX);
-    table
-};
-
 /// How many token ids [`Reader::small_uints`] reads per window of widths.
 const SMALL_UINTS_WINDOW: usize = 64;
 
-/// The width of [`SMALL_UINT`] for a marker, computed rather than looked up, so that a pass of
-/// it over many bytes vectorizes.
+/// The width of the integer a marker starts, for the forms [`Reader::small_uint`] reads (a
+/// fixint, uint8, uint16 or uint32), or 0 for any other item: computed without a table or a
+/// branch, so that a pass of it over many bytes vectorizes.
 #[inline(always)]
 fn small_uint_width(marker: u8) -> u8 {
     u8::from(marker < 0x80)
@@ -337,8 +322,10 @@ impl<'a> Reader<'a> {
                 }
                 let at = pos + offset;
                 let word = u64::from_be_bytes(data[at..at + 8].try_into().expect("8 bytes"));
-                let (_, shift, mask) = SMALL_UINT[(word >> 56) as usize];
-                *value = (word >> shift) as u32 & mask;
+                // A fixint is its marker; any other form is the bytes after its marker.
+                let marker_bits = u32::from(width > 1) * 8;
+                let value_bits = 8 * u32::from(width) - marker_bits;
+                *value = ((word << marker_bits) >> (64 - value_bits)) as u32;
                 offset += usize::from(width);
                 read += 1;
             }
@@ -819,9 +806,12 @@ mod tests {
     }
 
     #[test]
-    fn small_uint_width_is_the_tables() {
+    fn small_uint_width_is_what_small_uint_reads() {
         for marker in 0..=u8::MAX {
-            assert_eq!(small_uint_width(marker), SMALL_UINT[usize::from(marker)].0);
+            let bytes = [marker, 0, 0, 0, 0, 0, 0, 0, 0];
+            let mut reader = Reader::new(&bytes);
+            let width = reader.small_uint().map_or(0, |_| reader.pos);
+            assert_eq!(usize::from(small_uint_width(marker)), width, "{marker:#x}");
         }
     }
 
