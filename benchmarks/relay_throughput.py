@@ -79,7 +79,6 @@ from normalize import VARIANTS, Family, count_blocks, encode_steps, simulate
 from procs import free_port, pin, subscriber
 
 from kvbridge import Normalizer
-from kvbridge.adapters.publisher import _send
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.schemas.tiers import Tier
@@ -149,7 +148,7 @@ def forward(source: str, out: str, ready: Connection, stop: EventType, profile: 
     ready.send(True)
     cpu = _cpu()
     noblock, sndmore = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-    send = _send
+    send = zmq.backend.Socket.send  # unbound, as the relay's publisher calls it
     while not stop.is_set():
         if sub.poll(50):
             while True:

@@ -40,7 +40,7 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES, Relay
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Source
-from kvbridge.normalizers.batch import merged_canonical_payloads
+from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payloads
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import BLOCK_SIZE, TS0, encoded, placeholder, removed, stored
 
@@ -583,6 +583,13 @@ def _output_sub(
     return sub
 
 
+def _backlog_batches() -> list[tuple[NormalizedBatch, float]]:
+    """The backlog normalized one batch at a time by a fresh normalizer, each with the engine
+    time the relay stamps it with."""
+    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
+    return [(normalizer.process(p, seq), TS0 + seq) for seq, p in enumerate(_backlog())]
+
+
 def _events(payload: bytes) -> tuple[float, list[object], int]:
     ts, events, rank = msgspec.msgpack.decode(payload)
     return ts, events, rank
@@ -595,11 +602,10 @@ def test_a_backlog_goes_out_merged(merge_bytes: int) -> None:
     time. With ``merge_bytes`` below a batch's size each batch is a message of its own, as the
     normalizer writes it."""
     payloads = _backlog()
-    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
     alone = [
         _events(canonical)
-        for seq, payload in enumerate(payloads)
-        for canonical in normalizer.process(payload, seq).canonical_payloads(TS0 + seq)
+        for batch, ts in _backlog_batches()
+        for canonical in batch.canonical_payloads(ts)
     ]
     base = free_port_range(2)
     ctx = zmq.Context()
@@ -671,16 +677,13 @@ def test_two_outputs_each_merge_their_own_batches() -> None:
         for out in outs:
             out.close(linger=0)
     ctx.term()
-    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
-    batches = [(normalizer.process(p, seq), TS0 + seq) for seq, p in enumerate(payloads)]
-    (expected,) = merged_canonical_payloads(batches, DEFAULT_MERGE_BYTES)
+    (expected,) = merged_canonical_payloads(_backlog_batches(), DEFAULT_MERGE_BYTES)
     assert received == [_events(expected)] * 2
 
 
 def test_merged_payloads_take_any_bound() -> None:
     """A bound past what the core counts in means none; a negative one is refused."""
-    normalizer = Normalizer(worker_id=1, block_size=BLOCK_SIZE)
-    batches = [(normalizer.process(p, seq), TS0 + seq) for seq, p in enumerate(_backlog())]
+    batches = _backlog_batches()
     unbounded = merged_canonical_payloads(batches, 2**70)
     assert len(unbounded) == 1
     assert unbounded == merged_canonical_payloads(batches, sys.maxsize)
