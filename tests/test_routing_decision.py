@@ -4,6 +4,8 @@ Three ``SimulatedEngine`` replicas, registered with the state's real Dynamo ``Se
 A has cached all 6 blocks of the prompt, B its first 3, C nothing. The first answer is Dynamo's
 pick alone, with the pick's overlap by tier taken from ``select_and_reserve``; Serve asks again
 for the same request when the pick is full, and that answer ranks the others by their overlap.
+When there is no answer, the reason is counted and logged with what the service said, and a
+selection that outlived its timeout is logged again when it ends, with how late it was.
 """
 
 from __future__ import annotations
@@ -14,16 +16,21 @@ from array import array
 from collections.abc import Iterator
 
 import pytest
+import structlog
 
 pytest.importorskip("ray.serve")
 
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState, worker_id_for
+from kvbridge.ray_integration.decisions import NoChoice
+from kvbridge.ray_integration.reservations import Release
 from kvbridge.schemas import Overlap
 from kvbridge.testing import SimulatedEngine
 
 BLOCK = 16
 PROMPT = [300 + i for i in range(BLOCK * 6)]
 REPLICAS = ("ra", "rb", "rc")
+NO_ENDPOINTS = "no endpoints available to route work"
+"""Dynamo's error for a selection among worker ids it does not know."""
 
 
 @pytest.fixture
@@ -87,3 +94,46 @@ def test_first_answer_is_the_pick_and_a_repeat_ranks_the_others(state: RoutingSt
     while state.client.active_reservations():
         assert time.monotonic() < deadline, "the reservation was never freed"
         time.sleep(0.01)
+
+
+def test_no_answer_is_counted_and_logged_with_why(state: RoutingState) -> None:
+    workers = state.ready_workers(REPLICAS)
+
+    async def decide(request_id: str, allowed: dict[int, str]) -> NoChoice:
+        with pytest.raises(NoChoice) as raised:
+            await state.choose(request_id, PROMPT, allowed)
+        state.fallback(request_id, raised.value.reason, 0.001, raised.value.detail)
+        return raised.value
+
+    async def run() -> tuple[NoChoice, NoChoice]:
+        # A worker id Dynamo never registered: the service refuses the selection.
+        refused = await decide("ghost", {1: "ghost"})
+        # No selection meets a 1 us timeout; Dynamo's answer comes later, on this loop, and
+        # its reservation is freed.
+        state.select_timeout_s = 1e-6
+        try:
+            late = await decide("slow", workers)
+        finally:
+            state.select_timeout_s = 1.0
+        deadline = time.monotonic() + 5
+        while state.stats.registry.releases[Release.LATE_FREED] != 1:
+            assert time.monotonic() < deadline, "the late reservation was never freed"
+            await asyncio.sleep(0.01)
+        return refused, late
+
+    with structlog.testing.capture_logs() as lines:
+        refused, late = asyncio.run(run())
+
+    assert (refused.reason, refused.detail) == ("service_error", NO_ENDPOINTS)
+    assert (late.reason, late.detail) == ("timeout", "no answer in 1e-06 s")
+    assert state.stats.fallbacks == {"service_error": 1, "timeout": 1}
+    fallbacks = [line for line in lines if line["event"] == "request routed without Dynamo"]
+    assert [(line["request_id"], line["reason"], line["detail"]) for line in fallbacks] == [
+        ("ghost", "service_error", NO_ENDPOINTS),
+        ("slow", "timeout", "no answer in 1e-06 s"),
+    ]
+    assert {line["deployment"] for line in fallbacks} == {"decision#test"}
+    (ended,) = [line for line in lines if line["event"] == "selection ended after its timeout"]
+    assert (ended["request_id"], ended["timeout_s"], ended["error"]) == ("slow", 1e-6, None)
+    assert 0 < ended["after_s"] < 5
+    assert state.client.active_reservations() == 0

@@ -158,8 +158,12 @@ def run_app(mode: str, result_prefix: str, tmp_path: Path) -> tuple[dict[str, An
     return result, done.stdout
 
 
+ROUTER_WARNINGS = ("request routed without Dynamo", "selection ended after its timeout")
+"""The router's log lines for a decision Dynamo did not make, which a failure shows."""
+
+
 def test_openai_app_routes_prefixes_to_their_replica(tmp_path: Path) -> None:
-    result, _ = run_app("serve-e2e", "KVBRIDGE-SERVE-E2E ", tmp_path)
+    result, stdout = run_app("serve-e2e", "KVBRIDGE-SERVE-E2E ", tmp_path)
     (name,) = [name for name in result["stats"] if name.endswith(f"#LLMServer:{MODEL_ID}")]
     stats = result["stats"][name]
     sent = result["sent"]
@@ -172,19 +176,24 @@ def test_openai_app_routes_prefixes_to_their_replica(tmp_path: Path) -> None:
             {
                 "running_s": round(result["running_s"], 1),
                 "decisions": [
-                    [line["label"], replica, overlap, want]
-                    for line, (replica, overlap), (want, _) in zip(
-                        sent, got, [*expected, (None, None)], strict=True
+                    [line["label"], replica, overlap, want, decision["fallback"]]
+                    for line, (replica, overlap), (want, _), decision in zip(
+                        sent, got, [*expected, (None, None)], decisions, strict=True
                     )
                 ],
                 "decision_ms_p50_max": [
                     round(1000 * latencies[len(latencies) // 2], 2),
                     round(1000 * latencies[-1], 2),
                 ],
+                "fallbacks": stats["fallbacks"],
+                "registry": stats["registry"],
                 "relays": stats["relays"],
             }
         )
     )
+    for line in stdout.splitlines():
+        if any(warning in line for warning in ROUTER_WARNINGS):
+            print(line)
     assert len(decisions) == len(sent)
     assert stats["outcomes"] == {"dynamo": len(sent)}
     assert stats["fallbacks"] == {}

@@ -22,11 +22,13 @@ DECISION_LOG: Final = 10_000
 
 
 class NoChoice(Exception):
-    """Dynamo gave no answer; ``reason`` says why (the fallback counter's label)."""
+    """Dynamo gave no answer; ``reason`` says why (the fallback counter's label) and ``detail``
+    what happened (the service's error, the timeout), for the log."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,9 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 candidate_replicas=candidate_replicas,
                 pending_request=pending_request,
             )
-            self._routing.fallback(request_id, no_choice.reason, time.perf_counter() - started)
+            self._routing.fallback(
+                request_id, no_choice.reason, time.perf_counter() - started, no_choice.detail
+            )
             return fallback
         if self._dp_rank_kwarg is not None:
             pending_request.kwargs[self._dp_rank_kwarg] = choice.dp_rank

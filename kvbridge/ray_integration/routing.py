@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,7 @@ from typing import Any
 
 import structlog
 
+from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.selection_client import SelectionClient, SelectionServiceError
 from kvbridge.ray_integration.decisions import Choice, Decision, NoChoice, RouterStats
 from kvbridge.ray_integration.registry import WorkerRegistry, worker_id_for
@@ -107,6 +109,7 @@ class RoutingState:
         )
         self._lock = threading.Lock()
         self._attached: dict[str, Any] = {}
+        self._warn = LogLimiter(log.warning)
 
     def attached(self, key: str, make: Callable[[], Any]) -> Any:
         """What a router class keeps per deployment and process under ``key`` (a relay hop, a
@@ -195,7 +198,10 @@ class RoutingState:
             choice = await asyncio.wait_for(asyncio.shield(future), self.select_timeout_s)
         except TimeoutError:
             future.add_done_callback(self.held.free_late)
-            raise NoChoice("timeout", f"no answer in {self.select_timeout_s} s") from None
+            timeout_s = self.select_timeout_s
+            late = functools.partial(self._answered_late, request_id, started, timeout_s)
+            future.add_done_callback(late)
+            raise NoChoice("timeout", f"no answer in {timeout_s} s") from None
         except asyncio.CancelledError:
             future.add_done_callback(self.held.free_late)
             raise
@@ -239,9 +245,38 @@ class RoutingState:
         self.held.rerank(request_id, held, choice)
         return choice
 
-    def fallback(self, request_id: str, reason: str, latency_s: float) -> None:
-        """Count a request routed without Dynamo."""
+    def _answered_late(
+        self, request_id: str, started: float, timeout_s: float, future: asyncio.Future[Choice]
+    ) -> None:
+        """Log when a selection that outlived its timeout did answer, or how it ended: whether
+        Dynamo was slow or never answered is what an operator needs to know of a timeout."""
+        error = None
+        if future.cancelled():
+            error = "cancelled"
+        elif (exception := future.exception()) is not None:
+            error = str(exception)
+        self._warn(
+            "selection ended after its timeout",
+            "late",
+            deployment=self.deployment,
+            request_id=request_id,
+            after_s=round(time.perf_counter() - started, 3),
+            timeout_s=timeout_s,
+            error=error,
+        )
+
+    def fallback(self, request_id: str, reason: str, latency_s: float, detail: str = "") -> None:
+        """Count a request routed without Dynamo, and log why (a few lines a minute at most
+        for each reason)."""
         self._record(request_id, None, None, reason, latency_s)
+        self._warn(
+            "request routed without Dynamo",
+            reason,
+            deployment=self.deployment,
+            request_id=request_id,
+            reason=reason,
+            detail=detail or None,
+        )
 
     def _record(
         self,
