@@ -28,6 +28,7 @@ from kvbridge.ray_integration import (
     find_routing_state,
 )
 from kvbridge.testing import SimulatedEngine
+from support.ray_start import init_ray
 
 __all__ = [
     "RouterProcess",
@@ -57,15 +58,7 @@ def ray_session() -> Iterator[None]:
         "logging_level": "WARNING",
         "runtime_env": {"env_vars": {"PYTHONPATH": str(TESTS), "RAY_USAGE_STATS_ENABLED": "0"}},
     }
-    try:
-        ray.init(**options)
-    except Exception as error:
-        # Ray waits a fixed 30 s for its raylet to register; on a loaded 2-core machine that
-        # can run out while the node is still starting. Start once more from scratch.
-        if "timed out during startup" not in str(error):
-            raise
-        ray.shutdown()
-        ray.init(**options)
+    init_ray(**options)
     try:
         yield
     finally:

@@ -29,13 +29,15 @@ asked what it would choose for the request's tokens (:class:`RayTrackerView`). A
 replica counts the CPU stores each stream carries, with tokens or as placeholders. It sends
 :func:`placeholder_requests` and prints one line after ``KVBRIDGE-SERVE-PLACEHOLDERS ``.
 
-This module imports neither pytest nor anything of ``tests/``: the venv's python runs it.
+This module imports neither pytest nor anything of ``tests/`` but ``ray_start`` beside it (which
+imports only Ray; loaded from its file): the venv's python runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import sys
 import threading
@@ -384,6 +386,17 @@ def _router_stats(actor: Any) -> dict[str, Any]:
     return out
 
 
+def _ray_start() -> Any:
+    """``ray_start`` beside this module, loaded from its file: the directory cannot go on
+    ``sys.path``, where its ``tokenizers.py`` would shadow the package for Ray's workers too."""
+    path = Path(__file__).resolve().with_name("ray_start.py")
+    spec = importlib.util.spec_from_file_location("kvbridge_tests_ray_start", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextlib.contextmanager
 def _running_app(
     model_dir: str, http_port: int, placeholder_ports: tuple[int, ...] = ()
@@ -397,8 +410,10 @@ def _running_app(
     from kvbridge.ray_integration import DynamoLLMRouter
     from kvbridge.ray_integration.tokenize import VllmTokenizer
 
+    init_ray = _ray_start().init_ray
+
     tokenizer = VllmTokenizer.from_engine_args(model=model_dir, **ENGINE_KWARGS)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    init_ray(num_cpus=8, include_dashboard=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         config = llm_config(model_dir, DynamoLLMRouter, placeholder_ports)
