@@ -176,9 +176,9 @@ def test_openai_app_routes_prefixes_to_their_replica(tmp_path: Path) -> None:
             {
                 "running_s": round(result["running_s"], 1),
                 "decisions": [
-                    [line["label"], replica, overlap, want, decision["fallback"]]
-                    for line, (replica, overlap), (want, _), decision in zip(
-                        sent, got, [*expected, (None, None)], decisions, strict=True
+                    [line["label"], d["replica"], d["overlap"], want, d["fallback"]]
+                    for line, d, (want, _) in zip(
+                        sent, decisions, [*expected, (None, None)], strict=True
                     )
                 ],
                 "decision_ms_p50_max": [

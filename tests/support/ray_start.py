@@ -8,13 +8,13 @@ start Ray through :func:`init_ray`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import ray
 
 __all__ = ["init_ray"]
 
-STARTUP_TIMEOUT: str = "timed out during startup"
+STARTUP_TIMEOUT: Final = "timed out during startup"
 """What Ray's error says when the raylet did not register in time."""
 
 

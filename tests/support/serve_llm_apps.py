@@ -410,10 +410,8 @@ def _running_app(
     from kvbridge.ray_integration import DynamoLLMRouter
     from kvbridge.ray_integration.tokenize import VllmTokenizer
 
-    init_ray = _ray_start().init_ray
-
     tokenizer = VllmTokenizer.from_engine_args(model=model_dir, **ENGINE_KWARGS)
-    init_ray(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    _ray_start().init_ray(num_cpus=8, include_dashboard=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         config = llm_config(model_dir, DynamoLLMRouter, placeholder_ports)
