@@ -8,6 +8,11 @@ reads, and 10 replay DEALERs that ask for replays and never read; and a third so
 README's "Limits"); the consumer must keep receiving throughout; the shed frames must show in
 the metrics as gaps and lost batches; the 100 MB frame must be refused by ZMQ (a disconnect in
 the log) without the relay's RSS growing by it.
+
+The relay runs with ``--merge-bytes 0``: one canonical payload per batch, as the README's flood
+figures were measured. Merged, a backlog's payloads are up to 64 KiB each, and the ones queued
+for the SUB that never reads (up to its ``SNDHWM``, a count of payloads) add tens of MB to the
+RSS, which would hide whether the 100 MB frame was ever held.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def test_a_flood_keeps_the_relay_bounded_and_publishing(tmp_path: Path) -> None:
         args += ["--source", f"tcp://*:{port}"]
     args += ["--publish", f"tcp://127.0.0.1:{publish}"]
     args += ["--publish-replay", f"tcp://127.0.0.1:{replay}", "--block-size", "4"]
+    args += ["--merge-bytes", "0"]
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     big = ctx.socket(zmq.PUB)
