@@ -37,7 +37,13 @@ from support.selection_harness import Overlap, SelectionHarness
 from kvbridge import Normalizer
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES, Relay
+from kvbridge.adapters.relay import (
+    DEFAULT_MERGE_BYTES,
+    DEFAULT_OUTPUT_HWM,
+    OUTPUT_QUEUE_BYTES,
+    Relay,
+    output_hwm_for,
+)
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Source
 from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payloads
@@ -690,6 +696,39 @@ def test_merged_payloads_take_any_bound() -> None:
     assert len(merged_canonical_payloads(batches, 0)) == len(batches)
     with pytest.raises(ValueError, match="max_bytes must be >= 0, got -1"):
         merged_canonical_payloads(batches, -1)
+
+
+@pytest.mark.parametrize(
+    ("merge_bytes", "output_hwm", "hwm"),
+    [
+        (DEFAULT_MERGE_BYTES, None, 256),  # 16 MiB of merged payloads of up to 64 KiB
+        (4096, None, 4096),
+        (0, None, DEFAULT_OUTPUT_HWM),  # a payload per batch, as an engine sends it
+        (1, None, DEFAULT_OUTPUT_HWM),  # never more than unmerged
+        (2 * OUTPUT_QUEUE_BYTES, None, 1),  # never 0, which ZMQ takes as no bound
+        (DEFAULT_MERGE_BYTES, 7, 7),  # given, it is taken as it is
+    ],
+)
+def test_an_output_queues_merged_payloads_up_to_a_byte_budget(
+    merge_bytes: int, output_hwm: int | None, hwm: int
+) -> None:
+    """A consumer that never reads holds at most ``SNDHWM`` payloads queued on its output, and a
+    merged one is up to ``merge_bytes``: the high-water mark of each output's PUB socket comes
+    from the merge size, so that such a consumer costs the relay about 16 MiB an output, not
+    10,000 merged payloads (640 MiB at 64 KiB)."""
+    assert OUTPUT_QUEUE_BYTES == 16 * 1024 * 1024
+    assert output_hwm_for(merge_bytes) == (hwm if output_hwm is None else 256)
+    base = free_port_range(4)  # two sources, two outputs
+    sources = [Source(f"tcp://127.0.0.1:{base + i}", worker_id=i + 1, bind=False) for i in (0, 1)]
+    with Relay(
+        sources,
+        block_size=BLOCK_SIZE,
+        publish=f"tcp://127.0.0.1:{base + 2}",
+        heartbeat_s=None,
+        merge_bytes=merge_bytes,
+        output_hwm=output_hwm,
+    ) as relay:
+        assert [publisher.hwm for publisher in relay.outputs.values()] == [hwm, hwm]
 
 
 # --------------------------------------------------------------------------- 6. dp ranks

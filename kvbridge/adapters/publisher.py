@@ -136,6 +136,9 @@ class Publisher(ClosedOnExit):
             else:
                 self._pub.connect(endpoint)
             self._endpoint: Final[str] = last_endpoint(self._pub)
+            self.hwm: Final = int(self._pub.getsockopt(zmq.SNDHWM))
+            """The PUB socket's high-water mark, as the socket has it: the messages queued for
+            a subscriber that does not read, past which they are dropped for it."""
             if replay_endpoint is not None:
                 self._replays = ReplaySocket(
                     self._ctx,

@@ -72,7 +72,7 @@ from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payload
 if TYPE_CHECKING:
     from kvbridge.adapters.tiered_index import TieredIndex
 
-__all__ = ["Relay", "offset_endpoint"]
+__all__ = ["Relay", "offset_endpoint", "output_hwm_for"]
 
 _STOP_TIMEOUT_S: Final = 5.0
 DEFAULT_HEARTBEAT_S: Final = 0.5
@@ -96,8 +96,24 @@ this. A request older than the buffer gets a snapshot, as one older than its bat
 
 
 DEFAULT_OUTPUT_HWM: Final = 10_000
-"""``SNDHWM`` of each output's PUB socket: a consumer that never reads costs the relay at most
-this many canonical payloads; past it ZMQ drops, and the consumer sees a gap it can replay."""
+"""``SNDHWM`` of each output's PUB socket when nothing is merged: a consumer that never reads
+costs the relay at most this many canonical payloads, each of one batch; past it ZMQ drops, and
+the consumer sees a gap it can replay."""
+OUTPUT_QUEUE_BYTES: Final = 16 * 1024 * 1024
+"""About what a consumer that never reads costs the relay per output when batches are merged.
+ZMQ bounds a queue in messages, and a merged one holds up to ``merge_bytes``, so the output's
+``SNDHWM`` is this over ``merge_bytes``: 256 at :data:`DEFAULT_MERGE_BYTES`, where 10,000
+payloads could hold 640 MiB."""
+
+
+def output_hwm_for(merge_bytes: int) -> int:
+    """The ``SNDHWM`` of an output that merges batches into payloads of up to ``merge_bytes``:
+    :data:`OUTPUT_QUEUE_BYTES` of them, and never more than :data:`DEFAULT_OUTPUT_HWM`."""
+    if merge_bytes == 0:
+        return DEFAULT_OUTPUT_HWM
+    return max(1, min(DEFAULT_OUTPUT_HWM, OUTPUT_QUEUE_BYTES // merge_bytes))
+
+
 SOCKETS_PER_SOURCE: Final = 8
 """ZMQ sockets a relayed source can use: SUB, its monitor (2), replay DEALER; PUB, its monitor
 (2), replay ROUTER."""
@@ -155,7 +171,12 @@ class _HeldSink:
 
 
 class Relay(ClosedOnExit):
-    """Relays and canonicalises the KV-event streams of one or more vLLM workers."""
+    """Relays and canonicalises the KV-event streams of one or more vLLM workers.
+
+    Each output's PUB socket has the high-water mark ``output_hwm``; ``None`` (the default)
+    takes it from ``merge_bytes`` (:func:`output_hwm_for`), so that what a consumer that never
+    reads holds queued stays about :data:`OUTPUT_QUEUE_BYTES` however large a merged batch is.
+    """
 
     def __init__(
         self,
@@ -172,7 +193,7 @@ class Relay(ClosedOnExit):
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         replay_on_start: bool = False,
         heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
-        output_hwm: int = DEFAULT_OUTPUT_HWM,
+        output_hwm: int | None = None,
         merge_bytes: int = DEFAULT_MERGE_BYTES,
     ) -> None:
         if not sources:
@@ -226,7 +247,7 @@ class Relay(ClosedOnExit):
                 context=self.context,
                 bind=True,
                 first_seq=first_seq,
-                hwm=output_hwm,
+                hwm=output_hwm_for(merge_bytes) if output_hwm is None else output_hwm,
             )
             self.outputs[source] = publisher
             self.pipeline.add_source(source, _HeldSink(publisher, self._held))
