@@ -417,6 +417,54 @@ def test_full_replay_survives_slow_reader(ctx: zmq.Context[zmq.Socket[bytes]]) -
     assert answer[-1] == [b"", b"", END_SEQ, b""]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """10 DEALERs ask twice each for a buffer of 200 payloads of 60 KB (12 MB) and read none of
+    it: the 20 answers queued for them (two fill the ROUTER's high-water mark) hold the
+    buffer's own payloads, not a copy each, which would be 240 MB. The answers are whole and
+    right when read."""
+    steps, peers, asks = 200, 10, 2
+    payloads = [bytes([i]) * 60_000 for i in range(steps)]
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=steps) as pub:
+        assert pub.replay_endpoint is not None
+        for payload in payloads:
+            pub.publish(payload, send=False)
+        dealers = []
+        for _ in range(peers):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 1)
+            dealer.setsockopt(zmq.RCVBUF, 4096)
+            dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+            dealer.connect(pub.replay_endpoint)
+            dealers.append(dealer)
+        before = _rss_mb()
+        served = 0
+        for ask in range(1, asks + 1):
+            for dealer in dealers:
+                dealer.send_multipart([b"", seq8(0)])
+            while served < peers * ask:
+                newly = pub.serve_replays(timeout_ms=RECV_TIMEOUT_MS)
+                assert newly, f"{peers * ask - served} requests were not served"
+                served += newly
+        grown = _rss_mb() - before
+        answers = [read_replay(dealers[0]) for _ in range(asks)]
+    assert served == peers * asks
+    assert grown < 12, f"the queued answers grew the RSS by {grown:.0f} MB"
+    for answer in answers:
+        assert [m[3] for m in answer[:-1]] == payloads
+        assert answer[-1] == [b"", b"", END_SEQ, b""]
+
+
 # --------------------------------------------------------------------------- encoders vs facts
 
 

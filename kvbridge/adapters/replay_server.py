@@ -26,6 +26,12 @@ from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_r
 __all__ = ["ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
 
 _REPLAY_POLL_MS: Final[int] = 50
+_SHARED_FRAME_BYTES: Final = 1024
+"""Answer frames from this size up are sent without a copy: ZMQ's message holds the buffer's
+own payload. A peer that asks and never reads then costs the relay its queued messages, not a
+copy of every payload in them per answer (10 such peers asking 4 times for a buffer of 1,000
+payloads of 60 KB held 660 MB of copies). Smaller frames are copied, which is cheaper than
+sharing them (about 3 us a message)."""
 """How long a replay thread waits per poll, bounding how fast it stops."""
 
 
@@ -151,6 +157,7 @@ class ReplaySocket:
             self._socket.setsockopt(zmq.LINGER, 0)
             # vLLM 0.33: room for a full replay plus its end marker.
             self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 1))
+            self._socket.copy_threshold = _SHARED_FRAME_BYTES
             self._socket.bind(endpoint)
             self.endpoint: Final = last_endpoint(self._socket)
             """The actual bound address (ephemeral ports resolved)."""
@@ -197,7 +204,8 @@ class ReplaySocket:
         topic_frame = self._topic_frame
         for seq, payload in self.buffer.answer(start_seq):
             router.send_multipart(
-                answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
+                answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame),
+                copy=False,
             )
         router.send_multipart(end_frames(identity, topic_frame=topic_frame))
 
