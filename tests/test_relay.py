@@ -731,6 +731,24 @@ def test_an_output_queues_merged_payloads_up_to_a_byte_budget(
         assert [publisher.hwm for publisher in relay.outputs.values()] == [hwm, hwm]
 
 
+@pytest.mark.parametrize(
+    ("extra", "hwm"),
+    [((), 256), (("--merge-bytes", "0"), DEFAULT_OUTPUT_HWM), (("--output-hwm", "5"), 5)],
+)
+def test_the_relay_command_sets_and_logs_each_outputs_high_water_mark(
+    make_rig: Callable[..., Rig], extra: tuple[str, ...], hwm: int
+) -> None:
+    """``kvbridge relay`` takes ``--output-hwm`` or the one ``--merge-bytes`` implies, and its
+    line for each output says what the socket has."""
+    rig = make_rig([1, 2], extra=extra)
+
+    def lines() -> list[str]:
+        return [line for line in rig.relay.log().splitlines() if "relaying" in line]
+
+    assert SelectionHarness.wait_for(lambda: len(lines()) == 2), rig.relay.log()
+    assert [f" output_hwm={hwm} " in line for line in lines()] == [True, True], lines()
+
+
 # --------------------------------------------------------------------------- 6. dp ranks
 
 

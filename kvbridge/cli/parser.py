@@ -222,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="in a backlog, merge an output's consecutive batches into canonical batches of up "
         "to about this many bytes (0: one batch per input batch)",
     )
+    relay.add_argument(
+        "--output-hwm",
+        type=arguments.positive_int,
+        help="messages each output queues for a consumer that does not read, past which ZMQ "
+        "drops them for it (default: 16 MiB over --merge-bytes, 256; 10,000 with "
+        "--merge-bytes 0)",
+    )
     relay.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
 
     record = command(

@@ -37,9 +37,10 @@ def run_relay(args: argparse.Namespace) -> int:
         max_frame_bytes=args.max_frame_bytes,
         replay_on_start=True,
         merge_bytes=args.merge_bytes,
+        output_hwm=args.output_hwm,
     ) as relay:
         live.start_metrics(args, relay)
-        for source in relay.outputs:
+        for source, output in relay.outputs.items():
             publish, replay = relay.endpoints(source)
             log.info(
                 "relaying",
@@ -47,6 +48,7 @@ def run_relay(args: argparse.Namespace) -> int:
                 source=source.endpoint,
                 publish=publish,
                 publish_replay=replay,
+                output_hwm=output.hwm,
             )
         stop = live.until(args)
         silence = live.silence(sources)
