@@ -240,7 +240,10 @@ def decisions(router: Router, seconds: float, period: float) -> Timings:
 
 def _relay(source: str, out: str) -> Relay:
     return Relay(
-        [Source(source, worker_id=WORKER_ID, bind=False)], block_size=BLOCK_SIZE, publish=out
+        [Source(source, worker_id=WORKER_ID, bind=False)],
+        block_size=BLOCK_SIZE,
+        publish=out,
+        output_hwm=0,  # unlimited, as the publisher's: nothing is dropped
     )
 
 

@@ -24,9 +24,10 @@ The clock runs from the first message sent until, for forward and relay, the sin
 the last output message, and for Dynamo, ``overlap_scores`` of the sentinel's tokens returns its
 16 blocks on the device tier (polled every ``--poll-ms`` from the Dynamo process; each poll costs
 that process about 0.1 ms). Throughput is input blocks (one per event block hash) per second.
-The publisher and the sink share core 0. All high-water marks are unlimited, so nothing is
-dropped: the sink checks it received exactly the expected number of events (the relay merges
-batches that queue up, ``Relay(merge_bytes=...)``, so its messages are fewer), and after each
+The publisher and the sink share core 0. Every send high-water mark is unlimited (the relay's
+output's too, ``output_hwm=0``), so nothing is dropped: the sink checks it received exactly
+the expected number of events (the relay merges batches that queue up,
+``Relay(merge_bytes=...)``, so its messages are fewer), and after each
 Dynamo run the script compares the blocks in Dynamo's index (``indexer_snapshot``) with those
 kvbridge's normalizer holds for the same stream.
 
@@ -172,7 +173,10 @@ def relay(source: str, out: str, ready: Connection, stop: EventType, profile: bo
     pin(1)
     profiler = cProfile.Profile() if profile else None
     with Relay(
-        [Source(source, worker_id=WORKER_ID, bind=False)], block_size=BLOCK_SIZE, publish=out
+        [Source(source, worker_id=WORKER_ID, bind=False)],
+        block_size=BLOCK_SIZE,
+        publish=out,
+        output_hwm=0,
     ) as middle:
         ready.send(True)
         cpu = _cpu()

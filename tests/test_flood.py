@@ -11,8 +11,9 @@ the log) without the relay's RSS growing by it.
 
 The relay merges its backlog, as it does by default, into payloads of up to 64 KiB. Those queued
 for the SUB that never reads are bounded by the outputs' ``SNDHWM``, which the relay sets from
-that size (256 payloads, about 16 MiB an output): with 10,000 payloads, as before, they grew the
-RSS by up to 117 MB in 8 s, past the 100 MB frame's check.
+that size (256 payloads, about 16 MiB an output; ``tests/test_relay.py`` checks the sockets).
+In 8 s an output sends a few hundred merged payloads: with 10,000 as the bound, all of them
+could queue, and the RSS once grew by 117 MB, past the 100 MB frame's check.
 """
 
 from __future__ import annotations

@@ -465,6 +465,24 @@ def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
         assert answer[-1] == [b"", b"", END_SEQ, b""]
 
 
+def test_a_payload_changed_after_it_was_published_replays_as_published(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Answers share the buffer's payloads with ZMQ, so the buffer keeps a ``bytearray`` as a
+    copy: changing it afterwards (or freeing it) changes nothing that is replayed."""
+    payload = bytearray(b"a" * 60_000)
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=4) as pub:
+        assert pub.replay_endpoint is not None
+        pub.publish(payload, send=False)  # type: ignore[arg-type]  # an untyped caller's
+        payload[:] = b"b" * 120_000
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        sock.connect(pub.replay_endpoint)
+        answer = request_replay(pub, sock, 0)
+    assert [m[3] for m in answer] == [b"a" * 60_000, b""]
+
+
 # --------------------------------------------------------------------------- encoders vs facts
 
 

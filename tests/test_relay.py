@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 import subprocess
 import sys
 import time
@@ -699,25 +700,36 @@ def test_merged_payloads_take_any_bound() -> None:
 
 
 @pytest.mark.parametrize(
-    ("merge_bytes", "output_hwm", "hwm"),
+    ("merge_bytes", "hwm"),
     [
-        (DEFAULT_MERGE_BYTES, None, 256),  # 16 MiB of merged payloads of up to 64 KiB
-        (4096, None, 4096),
-        (0, None, DEFAULT_OUTPUT_HWM),  # a payload per batch, as an engine sends it
-        (1, None, DEFAULT_OUTPUT_HWM),  # never more than unmerged
-        (2 * OUTPUT_QUEUE_BYTES, None, 1),  # never 0, which ZMQ takes as no bound
-        (DEFAULT_MERGE_BYTES, 7, 7),  # given, it is taken as it is
+        (DEFAULT_MERGE_BYTES, 256),  # 16 MiB of merged payloads of up to 64 KiB
+        (4096, 4096),
+        (1678, 9998),
+        (1677, DEFAULT_OUTPUT_HWM),  # never more than unmerged
+        (0, DEFAULT_OUTPUT_HWM),  # a payload per batch, as an engine sends it
+        (2 * OUTPUT_QUEUE_BYTES, 1),  # never 0, which ZMQ takes as no bound
     ],
 )
-def test_an_output_queues_merged_payloads_up_to_a_byte_budget(
-    merge_bytes: int, output_hwm: int | None, hwm: int
+def test_an_outputs_high_water_mark_bounds_its_merged_payloads_in_bytes(
+    merge_bytes: int, hwm: int
 ) -> None:
     """A consumer that never reads holds at most ``SNDHWM`` payloads queued on its output, and a
-    merged one is up to ``merge_bytes``: the high-water mark of each output's PUB socket comes
-    from the merge size, so that such a consumer costs the relay about 16 MiB an output, not
-    10,000 merged payloads (640 MiB at 64 KiB)."""
+    merged one is up to ``merge_bytes``: the high-water mark comes from the merge size, so
+    that such a consumer costs the relay about 16 MiB an output, not 10,000 merged payloads
+    (640 MiB at 64 KiB)."""
     assert OUTPUT_QUEUE_BYTES == 16 * 1024 * 1024
-    assert output_hwm_for(merge_bytes) == (hwm if output_hwm is None else 256)
+    assert output_hwm_for(merge_bytes) == hwm
+
+
+@pytest.mark.parametrize(
+    ("merge_bytes", "output_hwm", "hwm"),
+    [(DEFAULT_MERGE_BYTES, None, 256), (0, None, DEFAULT_OUTPUT_HWM), (DEFAULT_MERGE_BYTES, 7, 7)],
+)
+def test_each_output_socket_has_the_relays_high_water_mark(
+    merge_bytes: int, output_hwm: int | None, hwm: int
+) -> None:
+    """Every output's PUB socket has the high-water mark given, or else the one its merge size
+    implies."""
     base = free_port_range(4)  # two sources, two outputs
     sources = [Source(f"tcp://127.0.0.1:{base + i}", worker_id=i + 1, bind=False) for i in (0, 1)]
     with Relay(
@@ -742,11 +754,11 @@ def test_the_relay_command_sets_and_logs_each_outputs_high_water_mark(
     line for each output says what the socket has."""
     rig = make_rig([1, 2], extra=extra)
 
-    def lines() -> list[str]:
-        return [line for line in rig.relay.log().splitlines() if "relaying" in line]
+    def logged() -> list[str]:
+        return re.findall(r"relaying .*\boutput_hwm=(\d+)", rig.relay.log())
 
-    assert SelectionHarness.wait_for(lambda: len(lines()) == 2), rig.relay.log()
-    assert [f" output_hwm={hwm} " in line for line in lines()] == [True, True], lines()
+    assert SelectionHarness.wait_for(lambda: len(logged()) == 2), rig.relay.log()
+    assert logged() == [str(hwm)] * 2
 
 
 # --------------------------------------------------------------------------- 6. dp ranks

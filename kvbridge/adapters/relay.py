@@ -100,15 +100,20 @@ DEFAULT_OUTPUT_HWM: Final = 10_000
 costs the relay at most this many canonical payloads, each of one batch; past it ZMQ drops, and
 the consumer sees a gap it can replay."""
 OUTPUT_QUEUE_BYTES: Final = 16 * 1024 * 1024
-"""About what a consumer that never reads costs the relay per output when batches are merged.
-ZMQ bounds a queue in messages, and a merged one holds up to ``merge_bytes``, so the output's
+"""What a consumer that never reads costs the relay per output in merged payloads. ZMQ bounds
+a queue in messages, and a merged one holds up to about ``merge_bytes``, so the output's
 ``SNDHWM`` is this over ``merge_bytes``: 256 at :data:`DEFAULT_MERGE_BYTES`, where 10,000
-payloads could hold 640 MiB."""
+payloads could hold 640 MiB. A batch larger than ``merge_bytes`` goes out alone and unsplit,
+so queued messages of such batches cost more (each at most the source's frame bound)."""
 
 
 def output_hwm_for(merge_bytes: int) -> int:
     """The ``SNDHWM`` of an output that merges batches into payloads of up to ``merge_bytes``:
-    :data:`OUTPUT_QUEUE_BYTES` of them, and never more than :data:`DEFAULT_OUTPUT_HWM`."""
+    :data:`OUTPUT_QUEUE_BYTES` of them, at least 1 (ZMQ takes 0 as no bound) and at most
+    :data:`DEFAULT_OUTPUT_HWM`, which any ``merge_bytes`` below 1,678 gets.
+
+    Outside a backlog each message is one batch, usually far smaller than ``merge_bytes``: a
+    consumer that stalls then drops after this many batches, and replays them."""
     if merge_bytes == 0:
         return DEFAULT_OUTPUT_HWM
     return max(1, min(DEFAULT_OUTPUT_HWM, OUTPUT_QUEUE_BYTES // merge_bytes))

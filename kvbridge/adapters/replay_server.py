@@ -26,13 +26,14 @@ from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_r
 __all__ = ["ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
 
 _REPLAY_POLL_MS: Final[int] = 50
+"""How long a replay thread waits per poll, bounding how fast it stops."""
 _SHARED_FRAME_BYTES: Final = 1024
 """Answer frames from this size up are sent without a copy: ZMQ's message holds the buffer's
 own payload. A peer that asks and never reads then costs the relay its queued messages, not a
-copy of every payload in them per answer (10 such peers asking 4 times for a buffer of 1,000
-payloads of 60 KB held 660 MB of copies). Smaller frames are copied, which is cheaper than
-sharing them (about 3 us a message)."""
-"""How long a replay thread waits per poll, bounding how fast it stops."""
+copy of every payload in them per answer: 10 such peers asking twice for 200 payloads of
+60 KB held 212 MB of copies, and hold 2.8 MB of messages shared (``tests/test_publisher.py``).
+Sharing costs the replay thread more than a copy (pyzmq frees a shared frame through its
+garbage-collector thread, a few us a message), which smaller frames would not repay."""
 
 
 def last_endpoint(socket: zmq.Socket[bytes]) -> str:
@@ -77,7 +78,13 @@ class ReplayBuffer:
 
     def append(self, payload: bytes, seq: int | None) -> int:
         """Keep ``payload`` under ``seq`` (by default the next one) and return the seq used;
-        the next one is ``seq + 1``."""
+        the next one is ``seq + 1``.
+
+        A payload that is not ``bytes`` (a ``bytearray`` from an untyped caller) is kept as a
+        copy: answers send the buffer's payloads without copying them, so they must never
+        change or move while ZMQ holds them."""
+        if type(payload) is not bytes:
+            payload = bytes(payload)
         with self._lock:
             used = self._next_seq if seq is None else seq
             self._next_seq = used + 1

@@ -226,8 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-hwm",
         type=arguments.positive_int,
         help="messages each output queues for a consumer that does not read, past which ZMQ "
-        "drops them for it (default: 16 MiB over --merge-bytes, 256; 10,000 with "
-        "--merge-bytes 0)",
+        "drops them for it (default: 16 MiB over --merge-bytes, between 1 and 10,000: 256 at "
+        "the default merge, 10,000 with --merge-bytes 0)",
     )
     relay.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
 
