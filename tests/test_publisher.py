@@ -9,8 +9,11 @@ The publisher and replay protocol: README.md, "The relay in front of Dynamo".
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -481,6 +484,48 @@ def test_a_payload_changed_after_it_was_published_replays_as_published(
         sock.connect(pub.replay_endpoint)
         answer = request_replay(pub, sock, 0)
     assert [m[3] for m in answer] == [b"a" * 60_000, b""]
+
+
+EXIT_WHILE_ANSWERING = """
+import atexit
+import time
+
+
+def ask_at_exit():  # registered before pyzmq's exit handler, so it runs after it
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    time.sleep(0.5)  # the replay thread serves it meanwhile
+    print("asked", flush=True)
+
+
+atexit.register(ask_at_exit)
+import zmq
+from kvbridge.adapters.publisher import Publisher
+
+ctx = zmq.Context()
+pub = Publisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", context=ctx, bind=True)
+pub.start_replay_thread()
+pub.publish(b"x" * 4096, send=False)
+warm = ctx.socket(zmq.DEALER)  # one shared answer before the exit, read whole
+warm.setsockopt(zmq.RCVTIMEO, 2000)
+warm.connect(pub.replay_endpoint)
+warm.send_multipart([b"", (0).to_bytes(8, "big")])
+assert warm.recv_multipart()[-1] == b"x" * 4096
+"""
+
+
+def test_a_publisher_left_open_at_exit_ends_its_replay_thread_quietly(tmp_path: Path) -> None:
+    """A process that exits without closing its publisher, while a peer asks for a replay,
+    exits cleanly: past pyzmq's exit handler a shared frame cannot be sent, and the replay
+    thread ends instead of printing a traceback."""
+    script = tmp_path / "exit_while_answering.py"
+    script.write_text(EXIT_WHILE_ANSWERING)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "asked\n", "")
 
 
 # --------------------------------------------------------------------------- encoders vs facts

@@ -36,6 +36,14 @@ Sharing costs the replay thread more than a copy (pyzmq frees a shared frame thr
 garbage-collector thread, a few us a message), which smaller frames would not repay."""
 
 
+def _exiting() -> bool:
+    """Whether the interpreter is running its exit handlers (the main thread has ended). By
+    then pyzmq's own handler may have shut the collector that a shared frame needs, and an
+    answer's send raises ``RuntimeError``: a replay thread left running (its publisher never
+    closed) ends quietly instead, as the process does."""
+    return not threading.main_thread().is_alive()
+
+
 def last_endpoint(socket: zmq.Socket[bytes]) -> str:
     """Return the address ``socket`` last bound or connected to, with ephemeral ports resolved."""
     value = socket.getsockopt(zmq.LAST_ENDPOINT)
@@ -249,6 +257,10 @@ class ReplaySocket:
                 if self._stop.is_set():
                     return
                 raise
+            except RuntimeError:
+                if _exiting():
+                    return
+                raise
 
     def stop(self) -> None:
         """Stop the thread that serves this socket (its own or its server's); the socket stays
@@ -307,6 +319,10 @@ class ReplayServer:
                     sockets[router].serve(0)
             except zmq.ZMQError:
                 if self._stop.is_set():
+                    return
+                raise
+            except RuntimeError:
+                if _exiting():
                     return
                 raise
 
