@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import zmq
+from support.memory import rss_mb
 from support.relay_process import RelayProcess
 
 from kvbridge.adapters.ports import free_port_range
@@ -62,13 +63,6 @@ print(seq, flush=True)
 """
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def test_a_flood_keeps_the_relay_bounded_and_publishing(tmp_path: Path) -> None:
     base = free_port_range(3 * (ENGINES + 1) + 1)
     sources = [base + i for i in range(ENGINES + 1)]  # the last one sends the 100 MB frame
@@ -100,7 +94,7 @@ def test_a_flood_keeps_the_relay_bounded_and_publishing(tmp_path: Path) -> None:
             args, metrics_port=metrics_port, log_path=tmp_path / "relay.log"
         ) as relay:
             pid = relay.process.pid
-            start_rss = _rss_mb(pid)
+            start_rss = rss_mb(pid)
             consumer = ctx.socket(zmq.SUB)
             consumer.setsockopt(zmq.SUBSCRIBE, b"")
             consumer.connect(f"tcp://127.0.0.1:{publish}")
@@ -141,12 +135,12 @@ def test_a_flood_keeps_the_relay_bounded_and_publishing(tmp_path: Path) -> None:
                     big_sent = True
                 for dealer in dealers:  # replays asked for, never read
                     dealer.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
-                samples.append((elapsed, _rss_mb(pid), received[0]))
+                samples.append((elapsed, rss_mb(pid), received[0]))
                 time.sleep(0.5)
                 assert elapsed < FLOOD_S + 30
             published = sum(int(engine.communicate()[0]) for engine in engines)
             assert relay.process.poll() is None, relay.log()[-3000:]
-            samples.append((time.monotonic() - started, _rss_mb(pid), received[0]))
+            samples.append((time.monotonic() - started, rss_mb(pid), received[0]))
             batches_in = relay.value("kvbridge_batches_total", direction="in")
             batches_out = relay.value("kvbridge_batches_total", direction="out")
             gaps = relay.value("kvbridge_gaps_total")

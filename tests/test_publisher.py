@@ -20,6 +20,7 @@ import msgspec
 import pytest
 import xxhash
 import zmq
+from support.memory import rss_mb
 from support.selection_harness import SelectionHarness, wait_connected
 
 from kvbridge.adapters.endpoints import should_bind
@@ -420,14 +421,6 @@ def test_full_replay_survives_slow_reader(ctx: zmq.Context[zmq.Socket[bytes]]) -
     assert answer[-1] == [b"", b"", END_SEQ, b""]
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
 def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
@@ -450,7 +443,7 @@ def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
             dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
             dealer.connect(pub.replay_endpoint)
             dealers.append(dealer)
-        before = _rss_mb()
+        before = rss_mb()
         served = 0
         for ask in range(1, asks + 1):
             for dealer in dealers:
@@ -459,7 +452,7 @@ def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
                 newly = pub.serve_replays(timeout_ms=RECV_TIMEOUT_MS)
                 assert newly, f"{peers * ask - served} requests were not served"
                 served += newly
-        grown = _rss_mb() - before
+        grown = rss_mb() - before
         answers = [read_replay(dealers[0]) for _ in range(asks)]
     assert served == peers * asks
     assert grown < 12, f"the queued answers grew the RSS by {grown:.0f} MB"
@@ -478,11 +471,7 @@ def test_a_payload_changed_after_it_was_published_replays_as_published(
         assert pub.replay_endpoint is not None
         pub.publish(payload, send=False)  # type: ignore[arg-type]  # an untyped caller's
         payload[:] = b"b" * 120_000
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
-        sock.connect(pub.replay_endpoint)
-        answer = request_replay(pub, sock, 0)
+        answer = request_replay(pub, dealer(ctx, pub.replay_endpoint), 0)
     assert [m[3] for m in answer] == [b"a" * 60_000, b""]
 
 

@@ -15,10 +15,10 @@ import os
 import resource
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import zmq
+from support.memory import rss_mb
 
 from kvbridge import TieredIndex
 from kvbridge.adapters.ports import free_port_range
@@ -31,13 +31,6 @@ from kvbridge.testing.vllm_hashes import block_hashes
 SOURCES = 1000
 BS = 4
 IDLE_S = 5.0
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _fds() -> int:
@@ -62,7 +55,7 @@ def test_one_relay_with_1000_sources() -> None:
     relay_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     engines: list[zmq.Socket[bytes]] = []
     try:
-        before = (_threads(), _fds(), _rss_mb())
+        before = (_threads(), _fds(), rss_mb())
         for _ in range(SOURCES):
             socket = engines_ctx.socket(zmq.XPUB)
             socket.setsockopt(zmq.LINGER, 0)
@@ -70,7 +63,7 @@ def test_one_relay_with_1000_sources() -> None:
             engines.append(socket)
         ports = [int(s.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]) for s in engines]
         sources = [Source(f"tcp://*:{port}", worker_id=i) for i, port in enumerate(ports)]
-        engines_only = (_threads(), _fds(), _rss_mb())
+        engines_only = (_threads(), _fds(), rss_mb())
         publish = free_port_range(2 * SOURCES)
         replay = publish + SOURCES
         index = TieredIndex(BS)
@@ -123,7 +116,7 @@ def test_one_relay_with_1000_sources() -> None:
             cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
             time.sleep(IDLE_S)
             cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-            running = (_threads(), _fds(), _rss_mb())
+            running = (_threads(), _fds(), rss_mb())
             python_threads = threading.active_count()
         assert relay._thread is not None and not relay._thread.is_alive(), "relay thread stopped"
         idle_cpu = (

@@ -14,6 +14,7 @@ the frame layouts are in :mod:`kvbridge.adapters.replay_protocol`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -36,12 +37,25 @@ Sharing costs the replay thread more than a copy (pyzmq frees a shared frame thr
 garbage-collector thread, a few us a message), which smaller frames would not repay."""
 
 
-def _exiting() -> bool:
-    """Whether the interpreter is running its exit handlers (the main thread has ended). By
-    then pyzmq's own handler may have shut the collector that a shared frame needs, and an
-    answer's send raises ``RuntimeError``: a replay thread left running (its publisher never
-    closed) ends quietly instead, as the process does."""
-    return not threading.main_thread().is_alive()
+def _serve_until(stop: threading.Event, serve: Callable[[], object]) -> None:
+    """A replay thread's loop: ``serve`` until ``stop`` is set.
+
+    A ZMQ error after ``stop`` (a socket closed under its poll) ends it. So does a
+    ``RuntimeError`` once the main thread has ended: the interpreter is running its exit
+    handlers, pyzmq's may have shut the collector that a shared frame needs, and a thread
+    whose publisher was never closed ends quietly, as the process does. Anything else is
+    raised."""
+    while not stop.is_set():
+        try:
+            serve()
+        except zmq.ZMQError:
+            if stop.is_set():
+                return
+            raise
+        except RuntimeError:
+            if threading.main_thread().is_alive():
+                raise
+            return
 
 
 def last_endpoint(socket: zmq.Socket[bytes]) -> str:
@@ -250,17 +264,7 @@ class ReplaySocket:
         thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.serve(_REPLAY_POLL_MS)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-            except RuntimeError:
-                if _exiting():
-                    return
-                raise
+        _serve_until(self._stop, functools.partial(self.serve, _REPLAY_POLL_MS))
 
     def stop(self) -> None:
         """Stop the thread that serves this socket (its own or its server's); the socket stays
@@ -312,19 +316,12 @@ class ReplayServer:
         return self
 
     def _loop(self) -> None:
-        sockets = self._sockets
-        while not self._stop.is_set():
-            try:
-                for router, _ in self._poller.poll(_REPLAY_POLL_MS):
-                    sockets[router].serve(0)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-            except RuntimeError:
-                if _exiting():
-                    return
-                raise
+        _serve_until(self._stop, self._serve_ready)
+
+    def _serve_ready(self) -> None:
+        """Wait up to ``_REPLAY_POLL_MS`` for requests, then answer every socket that has."""
+        for router, _ in self._poller.poll(_REPLAY_POLL_MS):
+            self._sockets[router].serve(0)
 
     def close(self) -> None:
         """Stop the thread (within ``_REPLAY_POLL_MS``). Idempotent; the sockets stay open."""
