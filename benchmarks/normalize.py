@@ -75,7 +75,7 @@ import msgspec
 from run_info import machine, write_results
 
 from kvbridge import Normalizer, decode_batch
-from kvbridge.normalizers.batch import _TIERED_EVENTS
+from kvbridge.normalizers.batch import TIERED_EVENTS
 from kvbridge.schemas.vllm import (
     BlockRemoved,
     BlockStored,
@@ -504,7 +504,7 @@ def run_core_tiered(case: Case) -> None:
 
 
 def run_tiered_decode(case: Case) -> None:
-    decode = _TIERED_EVENTS.decode
+    decode = TIERED_EVENTS.decode
     for tiered in case.tiered:
         decode(tiered)
 

@@ -1,14 +1,28 @@
 """Type stubs of the Rust extension module (``native/python``)."""
 
-from typing import Final
+from collections.abc import Callable, Iterator, Sequence
+from typing import Final, overload
+
+from kvbridge.schemas.tiers import TieredEvent
 
 class PayloadError(ValueError):
     """A payload the core cannot decode; ``args`` are (message, event_index, field)."""
 
-class Output:
-    ts: float | None
-    dp_rank: int | None
+class Output(Sequence[TieredEvent]):
+    """``kvbridge.normalizers.NormalizedBatch``."""
+
+    @property
+    def ts(self) -> float | None: ...
+    @property
+    def dp_rank(self) -> int | None: ...
+    @property
+    def events(self) -> list[TieredEvent]: ...
     def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: int) -> TieredEvent: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[TieredEvent]: ...
+    def __iter__(self) -> Iterator[TieredEvent]: ...
     def canonical_payloads(self, ts: float) -> list[bytes]: ...
     def tiered_events(self) -> bytes: ...
 
@@ -23,6 +37,7 @@ class Normalizer:
         max_ranks: int,
         max_blocks: int,
         max_contexts: int,
+        events_decoder: Callable[[bytes], list[TieredEvent]],
     ) -> None: ...
     def evictions(self) -> tuple[int, int, int]: ...
     def normalize(

@@ -3,7 +3,7 @@
 give exactly the recorded output, step by step.
 
 Per step (a batch, or a ``reset``) the recording holds the number of events, a digest of
-``msgspec.msgpack.encode(events)`` and a digest of the relay's canonical payloads; at the end
+``msgspec.msgpack.encode(events)`` (token ids as lists, as recorded) and a digest of the relay's canonical payloads; at the end
 of a stream (before its final ``reset()``) the counters and residency. For the small streams
 (captures and fixtures) it also holds every step's events and canonical payloads, shown when a
 step differs. Only the public API is used, so the test holds for any implementation of it.
@@ -35,6 +35,12 @@ StepEvents = tuple[list[TieredEvent], list[bytes]] | None
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
+
+
+def listed(events: list[TieredEvent]) -> list[TieredEvent]:
+    """The events with their token ids as plain lists, the form they were recorded in (the
+    normalizer packs them, and ``TokenIds`` encodes as its packed bytes)."""
+    return [msgspec.structs.replace(e, token_ids=list(e.token_ids)) for e in events]
 
 
 def canonical_digest(payloads: list[bytes]) -> str:
@@ -120,7 +126,7 @@ def replay(
         canonical = output.canonical_payloads(ts)
         step.update(
             events=len(events),
-            digest=digest(msgspec.msgpack.encode(events)),
+            digest=digest(msgspec.msgpack.encode(listed(events))),
             canonical=canonical_digest(canonical),
         )
         steps.append(step)
@@ -138,7 +144,9 @@ def _lines(step: StepEvents) -> list[str]:
     if step is None:
         return ["(the payload did not decode: SchemaError)"]
     events, canonical = step
-    lines = [f"event {i}: {json.dumps(msgspec.to_builtins(e))}" for i, e in enumerate(events)]
+    lines = [
+        f"event {i}: {json.dumps(msgspec.to_builtins(e))}" for i, e in enumerate(listed(events))
+    ]
     for i, payload in enumerate(canonical):
         ts, vllm_events, *rank = msgspec.to_builtins(msgspec.msgpack.decode(payload))
         lines.append(f"canonical {i}: ts {ts!r}, dp_rank {rank[0] if rank else None}")

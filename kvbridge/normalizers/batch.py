@@ -3,64 +3,34 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, TypeAlias
 
 import msgspec
 
 from kvbridge import _core
 from kvbridge.schemas.tiers import TieredEvent
 
-__all__ = ["NormalizedBatch", "merged_canonical_payloads"]
+__all__ = ["TIERED_EVENTS", "NormalizedBatch", "merged_canonical_payloads"]
 
-_TIERED_EVENTS: Final = msgspec.msgpack.Decoder(list[TieredEvent])
+TIERED_EVENTS: Final = msgspec.msgpack.Decoder(list[TieredEvent])
+"""Builds a batch's events from the core's bytes, in one pass."""
 
+NormalizedBatch: TypeAlias = _core.Output
+"""The canonical events of one input batch (or of a reset), for any sink: a sequence of
+:class:`TieredEvent` with the input batch's ``ts`` and ``dp_rank`` (``None`` for a reset).
 
-class NormalizedBatch(Sequence[TieredEvent]):
-    """The canonical events of one input batch (or of a reset), for any sink.
+The core keeps the events as it wrote them. A sink that republishes asks for
+``canonical_payloads(ts)``, the relay's canonical vLLM payloads made without a Python object
+per block (one per dp-rank run: an array batch of tagged-map events in vLLM 0.32's layout,
+canonical hashes, media Dynamo knows, tokens on every store and the cache salt where Dynamo
+reads it). One that indexes reads ``events`` (or iterates), :class:`TieredEvent` values
+built on first use in one msgspec pass (:data:`TIERED_EVENTS`).
 
-    The core keeps them as it wrote them. A sink that republishes asks for
-    :meth:`canonical_payloads`, bytes made without a Python object per block; one that indexes
-    iterates the :class:`TieredEvent` values, built on first use in one msgspec pass.
-    """
+It is the core's own type, so that a batch costs no Python object of its own: one is made
+per payload, on the hot path of every pipeline."""
 
-    __slots__ = ("_events", "_output")
-
-    def __init__(self, output: _core.Output) -> None:
-        self._output = output
-        self._events: list[TieredEvent] | None = None
-
-    def __len__(self) -> int:
-        return len(self._output)
-
-    @property
-    def ts(self) -> float | None:
-        """The engine time of the input batch; ``None`` for a reset."""
-        return self._output.ts
-
-    @property
-    def dp_rank(self) -> int | None:
-        """The dp rank of the input batch (0 when it names none); ``None`` for a reset."""
-        return self._output.dp_rank
-
-    def __iter__(self) -> Iterator[TieredEvent]:
-        return iter(self.events)
-
-    def __getitem__(self, index: int) -> TieredEvent:  # type: ignore[override]
-        return self.events[index]
-
-    @property
-    def events(self) -> list[TieredEvent]:
-        """The events as :class:`TieredEvent` values."""
-        if self._events is None:
-            self._events = _TIERED_EVENTS.decode(self._output.tiered_events())
-        return self._events
-
-    def canonical_payloads(self, ts: float) -> list[bytes]:
-        """The canonical vLLM payloads that republish these events, one per dp-rank run: an
-        array batch of tagged-map events (vLLM 0.32's layout), canonical hashes, media Dynamo
-        knows, tokens on every store and the cache salt where Dynamo reads it."""
-        return self._output.canonical_payloads(ts)
+Sequence.register(_core.Output)
 
 
 def merged_canonical_payloads(
@@ -81,5 +51,4 @@ def merged_canonical_payloads(
     if len(batches) == 1:  # a batch that arrived alone: nothing to merge or weigh
         batch, ts = batches[0]
         return batch.canonical_payloads(ts)
-    outputs = [(batch._output, ts) for batch, ts in batches]
-    return _core.canonical_payloads(outputs, min(max_bytes, sys.maxsize))
+    return _core.canonical_payloads(list(batches), min(max_bytes, sys.maxsize))

@@ -5,6 +5,7 @@ from kvbridge.schemas.errors import SchemaError
 from kvbridge.schemas.kv_cache_event import KvCacheEvent
 from kvbridge.schemas.overlap import Overlap
 from kvbridge.schemas.tiers import Tier, TieredEvent
+from kvbridge.schemas.token_ids import TokenIds
 from kvbridge.schemas.vllm import (
     LAYOUTS,
     AllBlocksCleared,
@@ -30,6 +31,7 @@ __all__ = [
     "SchemaError",
     "Tier",
     "TieredEvent",
+    "TokenIds",
     "VllmBatch",
     "decode_batch",
     "encode_batch",

@@ -2,7 +2,8 @@
 //! counts its instructions under cachegrind, and for timing it alone.
 //!
 //! `core_loop MODE FILE REPEAT`: MODE is `decode` (the decoder alone), `state` (decode and
-//! normalize) or `canonical` (both, and the relay's canonical payloads); FILE holds the block
+//! normalize), `canonical` (both, and the relay's canonical payloads) or `tiered` (both, and
+//! the msgpack of the `TieredEvent`s); FILE holds the block
 //! size (u32, little-endian), then each payload as its length (u32) and bytes. Every repetition
 //! starts from a fresh normalizer; the best repetition's time is printed.
 
@@ -44,12 +45,13 @@ fn run(mode: &str, block_size: usize, payloads: &[Vec<u8>]) -> Result<usize, Str
         }
         return Ok(sink);
     }
-    let canonical = match mode {
-        "state" => false,
-        "canonical" => true,
+    let (canonical, tiered) = match mode {
+        "state" => (false, false),
+        "canonical" => (true, false),
+        "tiered" => (false, true),
         other => {
             return Err(format!(
-                "unknown mode {other:?}: decode, state or canonical"
+                "unknown mode {other:?}: decode, state, canonical or tiered"
             ))
         }
     };
@@ -70,6 +72,9 @@ fn run(mode: &str, block_size: usize, payloads: &[Vec<u8>]) -> Result<usize, Str
                 sink += bytes.len();
             }
         }
+        if tiered {
+            sink += output.tiered_events(1).len();
+        }
     }
     Ok(sink)
 }
@@ -77,7 +82,7 @@ fn run(mode: &str, block_size: usize, payloads: &[Vec<u8>]) -> Result<usize, Str
 fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().collect();
     let [_, mode, path, repeat] = args.as_slice() else {
-        return Err("usage: core_loop decode|state|canonical FILE REPEAT".into());
+        return Err("usage: core_loop decode|state|canonical|tiered FILE REPEAT".into());
     };
     let repeat: usize = repeat
         .parse()

@@ -706,6 +706,19 @@ pub mod write {
         out.extend_from_slice(value.as_bytes());
     }
 
+    /// A bin header for `len` bytes (the bytes follow).
+    pub fn bin_header(out: &mut Vec<u8>, len: usize) {
+        if len <= usize::from(u8::MAX) {
+            out.extend_from_slice(&[0xc4, len as u8]);
+        } else if len <= usize::from(u16::MAX) {
+            out.push(0xc5);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            out.push(0xc6);
+            out.extend_from_slice(&(len as u32).to_be_bytes());
+        }
+    }
+
     pub fn array(out: &mut Vec<u8>, len: usize) {
         if len < 16 {
             out.push(0x90 | len as u8);

@@ -159,14 +159,13 @@ pub struct Normalizer {
     next_event_id: u64,
     arena: Arena,
     /// Buffers reused from event to event: the slots a removal evicts, the canonical hashes
-    /// a run of removals takes off a tier, a store's blocks, the run of them going out, the
-    /// bytes a block is hashed from, the tokens a store reads back from the state.
+    /// a run of removals takes off a tier, a store's blocks, the run of them going out and the
+    /// bytes a block is hashed from.
     evicted: Vec<Slot>,
     gone: Vec<u64>,
     slots: Vec<(Slot, u64)>,
     run: Vec<(Slot, u64)>,
     hash_scratch: Vec<u8>,
-    token_scratch: Vec<u32>,
     pub counters: Counters,
     logged: u16,
     pub first_drops: Vec<FirstDrop>,
@@ -211,7 +210,6 @@ impl Normalizer {
             slots: Vec::new(),
             run: Vec::new(),
             hash_scratch: Vec::new(),
-            token_scratch: Vec::new(),
             counters: Counters::default(),
             logged: 0,
             first_drops: Vec::new(),
@@ -509,6 +507,7 @@ impl Normalizer {
         out.hashes.reserve(arena.hashes.len());
         // A token id takes 5 bytes at the most.
         out.token_msgpack.reserve(arena.tokens.len() * 5);
+        out.token_ids.reserve(arena.tokens.len());
         let mut gone = std::mem::take(&mut self.gone); // empty: flush_removal drains it
         let mut gone_tier: Option<Tier> = None;
         for event in &batch.events {
@@ -904,25 +903,23 @@ impl Normalizer {
                 .map(|&(slot, canonical)| (canonical, rank.tokens_hash(slot))),
         );
         let tokens_start = out.token_msgpack.len();
+        let ids_start = out.token_ids.len();
         let size = self.block_size;
         let token_count = run.len() * size;
         match tokens {
-            Some(EventTokens { ids, msgpack }) => {
-                match msgpack.filter(|_| token_count == ids.len()) {
+            Some(EventTokens { ids: all, msgpack }) => {
+                let ids = &all[start * size..(start + run.len()) * size];
+                out.token_ids.extend_from_slice(ids);
+                match msgpack.filter(|_| token_count == all.len()) {
                     Some(msgpack) => out.token_msgpack.extend_from_slice(msgpack),
-                    None => write::small_uints(
-                        &mut out.token_msgpack,
-                        &ids[start * size..(start + run.len()) * size],
-                    ),
+                    None => write::small_uints(&mut out.token_msgpack, ids),
                 }
             }
             None => {
-                let ids = &mut self.token_scratch;
-                ids.clear();
                 for &(slot, _) in run {
-                    rank.read_tokens(slot, ids);
+                    rank.read_tokens(slot, &mut out.token_ids);
                 }
-                write::small_uints(&mut out.token_msgpack, ids);
+                write::small_uints(&mut out.token_msgpack, &out.token_ids[ids_start..]);
             }
         }
         let context = self.context_of(rank.context(first)).clone();
@@ -934,7 +931,7 @@ impl Normalizer {
                 parent: rank.parent(first),
                 blocks: blocks_start..out.blocks.len(),
                 tokens: tokens_start..out.token_msgpack.len(),
-                token_count,
+                ids: ids_start..out.token_ids.len(),
                 lora_name: context.lora_name,
                 cache_salt: context.cache_salt,
             }),

@@ -11,6 +11,7 @@ use kvbridge_core::{decode, Action, DropReason, Limits, Normalizer, Output, Sche
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 create_exception!(
@@ -38,12 +39,15 @@ struct PyNormalizer {
     /// Reasons dropped for the first time, appended as they happen: a list Python can test
     /// for emptiness without a call.
     first_drops: Py<PyList>,
+    /// What turns [`Output::tiered_events`] bytes into `list[TieredEvent]` (msgspec's
+    /// `Decoder.decode`, given by the Python face), shared by every output.
+    events_decoder: Py<PyAny>,
 }
 
 #[pymethods]
 impl PyNormalizer {
     #[new]
-    #[pyo3(signature = (worker_id, block_size, retain_evicted, main_kinds, max_ranks, max_blocks, max_contexts))]
+    #[pyo3(signature = (worker_id, block_size, retain_evicted, main_kinds, max_ranks, max_blocks, max_contexts, events_decoder))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -54,6 +58,7 @@ impl PyNormalizer {
         max_ranks: usize,
         max_blocks: usize,
         max_contexts: usize,
+        events_decoder: Py<PyAny>,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
@@ -61,6 +66,7 @@ impl PyNormalizer {
         let kinds: Vec<&str> = main_kinds.iter().map(String::as_str).collect();
         Ok(PyNormalizer {
             first_drops: PyList::empty(py).unbind(),
+            events_decoder,
             inner: Normalizer::new(
                 worker_id,
                 block_size,
@@ -234,22 +240,49 @@ impl PyNormalizer {
             output,
             worker_id: self.inner.worker_id,
             block_size: self.inner.block_size as u64,
+            decoder: self.events_decoder.clone_ref(py),
+            events: PyOnceLock::new(),
         })
     }
 }
 
-/// The canonical events of one batch, kept as the core wrote them until a view is asked for.
-#[pyclass(module = "kvbridge._core", name = "Output", frozen)]
+/// The canonical events of one batch, kept as the core wrote them until a view is asked for:
+/// `kvbridge.normalizers.NormalizedBatch`, a sequence of `TieredEvent`s built on first use.
+#[pyclass(module = "kvbridge._core", name = "Output", frozen, sequence)]
 struct PyOutput {
     output: Output,
     worker_id: u64,
     block_size: u64,
+    decoder: Py<PyAny>,
+    events: PyOnceLock<Py<PyList>>,
 }
 
 #[pymethods]
 impl PyOutput {
     fn __len__(&self) -> usize {
         self.output.events.len()
+    }
+
+    /// The events as `TieredEvent` values, built in one msgspec pass on first use.
+    #[getter]
+    fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.events.get_or_try_init(py, || {
+            let events = self.decoder.call1(py, (self.tiered_events(py),))?;
+            events.extract::<Py<PyList>>(py).map_err(PyErr::from)
+        })?;
+        Ok(events.bind(py).clone())
+    }
+
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.events(py)?.as_any().get_item(index)
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(self.events(py)?.as_any().try_iter()?.into_any())
     }
 
     /// The input batch's engine time, or `None` for a reset.
