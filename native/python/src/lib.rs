@@ -4,6 +4,8 @@
 //! canonical payloads or the msgpack of `TieredEvent`s that msgspec builds in one pass. The GIL
 //! is released while the core works, and no Python object is made per event, block or token.
 
+mod huge_pages;
+
 use kvbridge_core::decode::{Arena, Event};
 use kvbridge_core::layout;
 use kvbridge_core::msgpack::MAX_DEPTH;
@@ -13,6 +15,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
+
+#[global_allocator]
+static ALLOCATOR: huge_pages::HugePages = huge_pages::HugePages;
 
 create_exception!(
     _core,
