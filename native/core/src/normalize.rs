@@ -339,7 +339,7 @@ impl Normalizer {
             let mut out = if reset_first {
                 self.reset(Some(dp_rank))
             } else {
-                Output::default()
+                Output::new()
             };
             self.apply(&batch, &arena, seq, &mut out);
             out.batch = Some((batch.ts, dp_rank));
@@ -357,7 +357,7 @@ impl Normalizer {
             None => self.rank_order.clone(),
         };
         let event_id = self.next_id();
-        let mut out = Output::default();
+        let mut out = Output::new();
         for rank_id in ranks {
             let mut rank = match self.ranks.remove(&rank_id) {
                 Some(rank) => {
@@ -378,7 +378,7 @@ impl Normalizer {
     /// that the engine holds that chain, and the chain is announced again with it.
     pub fn reset_lost(&mut self, dp_rank: u32) -> Output {
         let event_id = self.next_id();
-        let mut out = Output::default();
+        let mut out = Output::new();
         let mut rank = match self.ranks.remove(&dp_rank) {
             Some(rank) => rank,
             None => {
@@ -400,7 +400,7 @@ impl Normalizer {
     /// replay request older than any buffer, and for a stream that starts over.
     pub fn snapshot(&mut self, dp_rank: u32) -> Output {
         let event_id = self.next_id();
-        let mut out = Output::default();
+        let mut out = Output::new();
         for tier in Tier::ALL {
             out.events.push(OutEvent {
                 dp_rank,
