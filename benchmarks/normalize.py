@@ -618,11 +618,14 @@ class Before:
 
 
 def events_digest(case: Case) -> tuple[str, Counter[str]]:
-    """SHA-256 of (e)'s events, encoded, batch by batch; the counters of what was dropped."""
+    """SHA-256 of (e)'s events, encoded batch by batch with their token ids as lists (as the
+    pure-Python code had them); the counters of what was dropped."""
     normalizer = Normalizer(worker_id=1, block_size=case.block_size)
     digest = hashlib.sha256()
     for seq, payload in enumerate(case.payloads):
-        digest.update(msgspec.msgpack.encode(normalizer.process(payload, seq).events))
+        events = normalizer.process(payload, seq).events
+        listed = [msgspec.structs.replace(e, token_ids=list(e.token_ids)) for e in events]
+        digest.update(msgspec.msgpack.encode(listed))
     return digest.hexdigest(), normalizer.stats
 
 

@@ -50,11 +50,12 @@ def _advised(chains: int) -> tuple[int, int, int]:
     not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages"
 )
 def test_a_large_state_is_advised_as_huge_pages_and_a_small_one_is_not() -> None:
-    # 2,000 chains of 64: 128,000 blocks, a slab of 4.6 MB
+    # 2,000 chains of 64: 128,000 blocks, a slab of 4.6 MB, which holds at least one whole
+    # aligned huge page wherever it lies
     before, after, blocks = _advised(2_000)
     assert blocks == 128_000
     assert before == 0
-    assert after >= 4 * 1024
+    assert after >= 2 * 1024
     # 10 chains: every array of the state is far below one huge page
     before, after, blocks = _advised(10)
     assert (before, after, blocks) == (0, 0, 640)

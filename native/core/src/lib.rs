@@ -13,6 +13,7 @@ pub mod msgpack;
 pub mod normalize;
 pub mod output;
 pub mod state;
+pub mod tiered;
 
 pub use decode::{decode, Arena, Batch, Event, SchemaError};
 pub use media::Tier;
