@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvbridge.schemas.overlap import Overlap as Overlap
     from kvbridge.schemas.tiers import Tier as Tier
     from kvbridge.schemas.tiers import TieredEvent as TieredEvent
+    from kvbridge.schemas.token_ids import TokenIds as TokenIds
     from kvbridge.schemas.vllm import VllmBatch as VllmBatch
     from kvbridge.schemas.vllm import decode_batch as decode_batch
 
@@ -32,6 +33,7 @@ lazy_names(
         "kvbridge.schemas.errors": ["SchemaError"],
         "kvbridge.schemas.overlap": ["Overlap"],
         "kvbridge.schemas.tiers": ["Tier", "TieredEvent"],
+        "kvbridge.schemas.token_ids": ["TokenIds"],
         "kvbridge.schemas.vllm": ["VllmBatch", "decode_batch"],
     },
 )

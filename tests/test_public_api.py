@@ -32,6 +32,7 @@ def test_public_names() -> None:
         "TieredIndex",
         "Tier",
         "TieredEvent",
+        "TokenIds",
         "Overlap",
         "SchemaError",
     } <= set(kvbridge.__all__)

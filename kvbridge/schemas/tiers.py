@@ -9,7 +9,7 @@ import msgspec
 from kvbridge.schemas.kv_cache_event import KvCacheEvent
 from kvbridge.schemas.token_ids import EMPTY, TokenIds
 
-__all__ = ["Tier", "TieredEvent", "TokenIds"]
+__all__ = ["Tier", "TieredEvent"]
 
 
 class Tier(enum.Enum):
