@@ -4,6 +4,7 @@ that carries the events: what they equal, how they encode, what the normalizer h
 from __future__ import annotations
 
 import gc
+import pickle
 import struct
 from collections.abc import Sequence
 
@@ -61,6 +62,7 @@ def test_events_round_trip_with_packed_ids_and_still_decode_lists() -> None:
     packed = _store(TokenIds.of([1, 2, 3, 4]))
     wire = msgspec.msgpack.encode(packed)
     assert msgspec.msgpack.decode(wire, type=TieredEvent) == packed
+    assert pickle.loads(pickle.dumps(packed)) == packed  # as Ray sends values
     assert msgspec.msgpack.decode(wire)["token_ids"] == {"packed": struct.pack("<4I", 1, 2, 3, 4)}
     # An event written with a plain list (by a caller, or an older recording) decodes as one.
     listed = msgspec.msgpack.decode(msgspec.msgpack.encode(_store([1, 2, 3, 4])), type=TieredEvent)

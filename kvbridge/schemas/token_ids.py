@@ -17,8 +17,9 @@ import msgspec
 
 __all__ = ["TokenIds"]
 
-_ITEM = "I" if array("I").itemsize == 4 else "L"
-"""The array type code of an unsigned 32-bit integer on this platform."""
+_ITEM = "I"
+"""The array type code of an unsigned 32-bit integer (``unsigned int``, 4 bytes on every
+platform CPython builds kvbridge's core for)."""
 
 _SWAP = sys.byteorder != "little"
 """The packed form is little-endian; a big-endian host swaps each id on the way in and out."""
