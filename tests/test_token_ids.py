@@ -29,6 +29,9 @@ def test_token_ids_are_the_ids_packed_as_u32_little_endian() -> None:
     assert (ids[0], ids[3], ids[-1]) == (0, 128, 2**32 - 1)
     assert ids[2:5] == TokenIds.of([127, 128, 65_535])
     assert 65_536 in ids and 3 not in ids
+    assert (ids.index(128), ids.index(0, 0, 1), ids.count(1), ids.count(3)) == (3, 0, 1, 0)
+    assert list(reversed(ids)) == IDS[::-1]
+    assert TokenIds.of(b"\x01\x02") == [1, 2]  # the ints bytes iterate, not a machine word
     assert repr(ids) == f"TokenIds({IDS!r})"
     assert isinstance(ids, Sequence)
     with pytest.raises(IndexError):
@@ -45,6 +48,13 @@ def test_token_ids_equal_lists_and_tuples_of_the_same_ids() -> None:
     assert ids != "567" and ids != b"\x05\x00\x00\x00"
     assert hash(ids) == hash((5, 6, 7))
     assert {ids: "a"}[TokenIds.of([5, 6, 7])] == "a"
+
+
+def test_packed_bytes_that_are_not_whole_ids_are_refused_when_read() -> None:
+    torn = msgspec.msgpack.decode(msgspec.msgpack.encode({"packed": b"abcde"}), type=TokenIds)
+    for read in (len, list, repr, hash, TokenIds.tolist):
+        with pytest.raises(ValueError, match="TokenIds: 5 packed bytes are not whole 4-byte ids"):
+            read(torn)
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**32], [1, 2**40]])
@@ -83,7 +93,10 @@ def test_the_normalizers_batch_is_a_sequence_of_untracked_events() -> None:
     events = batch.events
     assert batch.events is events  # built once
     assert list(batch) == events and batch[0] is events[0] and batch[-1] is events[1]
-    assert batch[0:1] == events[0:1]
+    assert batch[0:1] == events[0:1] and list(reversed(batch)) == events[::-1]
+    assert events[1] in batch and batch.index(events[1]) == 1 and batch.count(events[0]) == 1
+    with pytest.raises(ValueError):
+        batch.index(events[1], 0, 1)
     with pytest.raises(IndexError):
         batch[2]
     store, removal = events
@@ -91,3 +104,19 @@ def test_the_normalizers_batch_is_a_sequence_of_untracked_events() -> None:
     assert removal.token_ids == [] and type(removal.token_ids) is TokenIds
     assert [event.event.event_id for event in events] == [40, 40]
     assert not any(gc.is_tracked(value) for value in (store, store.event, store.token_ids))
+
+
+def _batches() -> int:
+    return sum(type(value) is NormalizedBatch for value in gc.get_objects())
+
+
+def test_a_batch_in_a_cycle_through_its_events_is_collected() -> None:
+    normalizer = Normalizer(worker_id=5, block_size=4)
+    gc.collect()
+    before = _batches()
+    batch = normalizer.process(encoded([stored([7], [1, 2, 3, 4], block_size=4)]), 0)
+    batch.events.append(batch)  # type: ignore[arg-type]
+    assert gc.is_tracked(batch) and _batches() == before + 1
+    del batch
+    gc.collect()
+    assert _batches() == before

@@ -16,7 +16,7 @@ __all__ = ["TIERED_EVENTS", "NormalizedBatch", "merged_canonical_payloads"]
 TIERED_EVENTS: Final = msgspec.msgpack.Decoder(list[TieredEvent])
 """Builds a batch's events from the core's bytes, in one pass."""
 
-NormalizedBatch: TypeAlias = _core.Output
+NormalizedBatch: TypeAlias = _core.NormalizedBatch
 """The canonical events of one input batch (or of a reset), for any sink: a sequence of
 :class:`TieredEvent` with the input batch's ``ts`` and ``dp_rank`` (``None`` for a reset).
 
@@ -30,7 +30,7 @@ built on first use in one msgspec pass (:data:`TIERED_EVENTS`).
 It is the core's own type, so that a batch costs no Python object of its own: one is made
 per payload, on the hot path of every pipeline."""
 
-Sequence.register(_core.Output)
+Sequence.register(_core.NormalizedBatch)
 
 
 def merged_canonical_payloads(

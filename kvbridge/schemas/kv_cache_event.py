@@ -3,8 +3,8 @@
 Hashes are unsigned 64-bit: Dynamo rejects negative values and strings. A clear is the bare
 string ``"cleared"``; stores and removals are single-key objects with lower-case variant names.
 
-The structs are ``gc=False``: they hold scalars and lists of each other, never a reference back
-up, so none is part of a reference cycle (see ``TieredEvent``).
+The structs are ``gc=False``: as msgspec builds them they hold scalars and lists of each other,
+never a reference back up, so none is part of a reference cycle (see ``TieredEvent``).
 """
 
 from __future__ import annotations

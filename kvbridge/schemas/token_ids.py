@@ -26,6 +26,8 @@ _SWAP = sys.byteorder != "little"
 
 
 def _unpacked(packed: bytes) -> array[int]:
+    if len(packed) % 4:
+        raise ValueError(f"TokenIds: {len(packed)} packed bytes are not whole 4-byte ids")
     ids = array(_ITEM, packed)
     if _SWAP:
         ids.byteswap()
@@ -49,8 +51,11 @@ class TokenIds(msgspec.Struct, frozen=True, gc=False):
 
     @classmethod
     def of(cls, ids: Iterable[int]) -> TokenIds:
-        """The packed form of ``ids``; raises ``OverflowError`` for an id outside 0..2**32-1."""
-        packed = array(_ITEM, ids)
+        """The packed form of ``ids``; raises ``OverflowError`` for an id outside 0..2**32-1.
+        (Built by appending, so that ``bytes`` are taken as the ints they iterate, not as
+        machine words.)"""
+        packed = array(_ITEM)
+        packed.extend(ids)
         if _SWAP:
             packed.byteswap()
         return cls(packed.tobytes())
@@ -60,7 +65,10 @@ class TokenIds(msgspec.Struct, frozen=True, gc=False):
         return _unpacked(self.packed).tolist()
 
     def __len__(self) -> int:
-        return len(self.packed) // 4
+        count, rest = divmod(len(self.packed), 4)
+        if rest:
+            _unpacked(self.packed)  # raises, naming the length
+        return count
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -78,6 +86,17 @@ class TokenIds(msgspec.Struct, frozen=True, gc=False):
 
     def __contains__(self, value: object) -> bool:
         return value in self.tolist()
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self.tolist())
+
+    def index(self, value: int, start: int = 0, stop: int = sys.maxsize) -> int:
+        """The position of the first ``value`` in ``[start, stop)``, as ``list.index``."""
+        return self.tolist().index(value, start, stop)
+
+    def count(self, value: int) -> int:
+        """How many times ``value`` occurs."""
+        return self.tolist().count(value)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenIds):

@@ -1,7 +1,7 @@
 //! The events a batch normalizes to, and the bytes they go out as: the relay's canonical vLLM
 //! payloads (here) and the msgpack of `kvbridge.TieredEvent`s ([`crate::tiered`]).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -69,6 +69,9 @@ const REMOVED_MAP_FIELDS: usize = REMOVED_FIELDS.len() + 1;
 thread_local! {
     /// The buffers of outputs dropped on this thread, cleared, for the next ones made here.
     static SPARE: RefCell<Vec<Output>> = const { RefCell::new(Vec::new()) };
+    /// Whether this thread makes outputs: a thread that only drops them (a consumer's) keeps
+    /// no spares, which it would never use.
+    static MAKES: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Outputs kept in [`SPARE`]: a pipeline holds a few at a time (a relay its burst's).
@@ -83,6 +86,7 @@ impl Output {
     /// one: each payload's output would otherwise cost five allocations and five frees, about
     /// a tenth of the core's work on the small batches of a busy engine.
     pub fn new() -> Output {
+        let _ = MAKES.try_with(|makes| makes.set(true));
         SPARE
             .try_with(|spare| spare.try_borrow_mut().ok()?.pop())
             .ok()
@@ -219,9 +223,11 @@ impl Output {
 }
 
 impl Drop for Output {
-    /// Gives the buffers to [`SPARE`], cleared, unless it is full or they are large.
+    /// Gives the buffers to [`SPARE`], cleared, unless it is full, they are large, or this
+    /// thread makes no outputs.
     fn drop(&mut self) {
-        if self.buffer_bytes() > SPARE_BYTES || self.events.capacity() == 0 {
+        let makes = MAKES.try_with(Cell::get).unwrap_or(false);
+        if !makes || self.buffer_bytes() > SPARE_BYTES || self.events.capacity() == 0 {
             return;
         }
         // At the thread's exit the spares are dropped too, and `try_with` fails: they are freed.
@@ -569,8 +575,18 @@ mod tests {
     }
 
     #[test]
+    fn a_thread_that_makes_no_outputs_keeps_none_it_drops() {
+        let spares = std::thread::spawn(|| {
+            drop(store(3, &[(1, 2)], &[5, 6, 7, 8]));
+            SPARE.with(|spare| spare.borrow().len())
+        });
+        assert_eq!(spares.join().unwrap(), 0);
+    }
+
+    #[test]
     fn a_dropped_outputs_buffers_are_reused_empty_and_a_large_ones_are_not() {
         // Each test runs on a thread of its own, so the spares start empty.
+        drop(Output::new()); // this thread makes outputs
         let mut out = store(3, &[(1, 2), (3, 4)], &[5, 6, 7, 8]);
         out.batch = Some((1.5, 3));
         let events = out.events.as_ptr();

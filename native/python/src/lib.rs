@@ -12,9 +12,11 @@ use kvbridge_core::msgpack::MAX_DEPTH;
 use kvbridge_core::{decode, Action, DropReason, Limits, Normalizer, Output, SchemaError, Tier};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::PyTraverseError;
+use std::sync::OnceLock;
 
 #[global_allocator]
 static ALLOCATOR: huge_pages::HugePages = huge_pages::HugePages;
@@ -246,20 +248,21 @@ impl PyNormalizer {
             worker_id: self.inner.worker_id,
             block_size: self.inner.block_size as u64,
             decoder: self.events_decoder.clone_ref(py),
-            events: PyOnceLock::new(),
+            events: OnceLock::new(),
         })
     }
 }
 
 /// The canonical events of one batch, kept as the core wrote them until a view is asked for:
-/// `kvbridge.normalizers.NormalizedBatch`, a sequence of `TieredEvent`s built on first use.
-#[pyclass(module = "kvbridge._core", name = "Output", frozen, sequence)]
+/// `kvbridge.normalizers.batch.NormalizedBatch`, a sequence of `TieredEvent`s built on first
+/// use.
+#[pyclass(module = "kvbridge._core", name = "NormalizedBatch", frozen, sequence)]
 struct PyOutput {
     output: Output,
     worker_id: u64,
     block_size: u64,
     decoder: Py<PyAny>,
-    events: PyOnceLock<Py<PyList>>,
+    events: OnceLock<Py<PyList>>,
 }
 
 #[pymethods]
@@ -268,14 +271,28 @@ impl PyOutput {
         self.output.events.len()
     }
 
+    /// The decoder and the events are the only Python objects a batch holds. Neither is
+    /// cleared here: the events list is mutable and clears itself, which breaks any cycle
+    /// through it (a caller appending the batch to its own events, say).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.decoder)?;
+        if let Some(events) = self.events.get() {
+            visit.call(events)?;
+        }
+        Ok(())
+    }
+
     /// The events as `TieredEvent` values, built in one msgspec pass on first use.
     #[getter]
     fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.events.get_or_try_init(py, || {
-            let events = self.decoder.call1(py, (self.tiered_events(py),))?;
-            events.extract::<Py<PyList>>(py).map_err(PyErr::from)
-        })?;
-        Ok(events.bind(py).clone())
+        if let Some(events) = self.events.get() {
+            return Ok(events.bind(py).clone());
+        }
+        let events = self.decoder.call1(py, (self.tiered_events(py),))?;
+        let events = events.extract::<Py<PyList>>(py).map_err(PyErr::from)?;
+        // Another thread may have built them meanwhile (the writer runs without the GIL):
+        // the first to finish is kept, so that every reader gets the same list.
+        Ok(self.events.get_or_init(|| events).bind(py).clone())
     }
 
     fn __getitem__<'py>(
@@ -288,6 +305,41 @@ impl PyOutput {
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         Ok(self.events(py)?.as_any().try_iter()?.into_any())
+    }
+
+    fn __reversed__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.events(py)?.as_any().call_method0("__reversed__")
+    }
+
+    fn __contains__(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.events(py)?.contains(value)
+    }
+
+    /// The index of the first event equal to `value`, as `list.index` (its bounds too).
+    #[pyo3(signature = (value, *args))]
+    fn index<'py>(
+        &self,
+        py: Python<'py>,
+        value: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut call = vec![value.clone()];
+        call.extend(args.iter());
+        self.events(py)?
+            .as_any()
+            .call_method1("index", PyTuple::new(py, call)?)
+    }
+
+    /// How many events equal `value`.
+    fn count(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let events = self.events(py)?;
+        let mut count = 0;
+        for event in events.iter() {
+            if event.eq(value)? {
+                count += 1;
+            }
+        }
+        Ok(count)
     }
 
     /// The input batch's engine time, or `None` for a reset.
