@@ -373,7 +373,7 @@ mod canonical {
 const BATCH_SIZE: usize = 1 + 9 + 5 + 9;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::msgpack::Reader;
 
@@ -525,7 +525,8 @@ mod tests {
         );
     }
 
-    fn strs(parts: &[&str]) -> Vec<u8> {
+    /// The msgpack strings of `parts`, one after another.
+    pub(crate) fn strs(parts: &[&str]) -> Vec<u8> {
         let mut out = Vec::new();
         for part in parts {
             write::str(&mut out, part);

@@ -130,14 +130,7 @@ fn write_opt_str(out: &mut Vec<u8>, value: Option<&str>) {
 mod tests {
     use super::*;
     use crate::media::Tier;
-
-    fn strs(parts: &[&str]) -> Vec<u8> {
-        let mut out = Vec::new();
-        for part in parts {
-            write::str(&mut out, part);
-        }
-        out
-    }
+    use crate::output::tests::strs;
 
     #[test]
     fn tiered_stretches_are_the_keys_and_headers_they_stand_for() {
