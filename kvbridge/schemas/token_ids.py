@@ -25,9 +25,16 @@ _SWAP = sys.byteorder != "little"
 """The packed form is little-endian; a big-endian host swaps each id on the way in and out."""
 
 
-def _unpacked(packed: bytes) -> array[int]:
-    if len(packed) % 4:
+def _count(packed: bytes) -> int:
+    """The ids in ``packed``; raises ``ValueError`` if it is not whole 4-byte ids."""
+    count, rest = divmod(len(packed), 4)
+    if rest:
         raise ValueError(f"TokenIds: {len(packed)} packed bytes are not whole 4-byte ids")
+    return count
+
+
+def _unpacked(packed: bytes) -> array[int]:
+    _count(packed)
     ids = array(_ITEM, packed)
     if _SWAP:
         ids.byteswap()
@@ -65,10 +72,7 @@ class TokenIds(msgspec.Struct, frozen=True, gc=False):
         return _unpacked(self.packed).tolist()
 
     def __len__(self) -> int:
-        count, rest = divmod(len(self.packed), 4)
-        if rest:
-            _unpacked(self.packed)  # raises, naming the length
-        return count
+        return _count(self.packed)
 
     @overload
     def __getitem__(self, index: int) -> int: ...

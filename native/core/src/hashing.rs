@@ -33,11 +33,12 @@ pub fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     seed
 }
 
-/// Tokens as consecutive little-endian u32, the byte form Dynamo hashes.
+/// Appends tokens as consecutive little-endian u32: the byte form Dynamo hashes, and that of
+/// `kvbridge.TokenIds`.
 pub fn pack_tokens(tokens: &[u32], out: &mut Vec<u8>) {
-    out.clear();
-    out.resize(tokens.len() * 4, 0);
-    for (place, token) in out.chunks_exact_mut(4).zip(tokens) {
+    let start = out.len();
+    out.resize(start + tokens.len() * 4, 0);
+    for (place, token) in out[start..].chunks_exact_mut(4).zip(tokens) {
         place.copy_from_slice(&token.to_le_bytes());
     }
 }
@@ -45,6 +46,7 @@ pub fn pack_tokens(tokens: &[u32], out: &mut Vec<u8>) {
 /// Dynamo's `tokens_hash` of one block: XXH3 of its packed tokens, followed by its multimodal
 /// object hashes (sorted, little-endian) if it has any.
 pub fn tokens_hash(tokens: &[u32], seed: u64, mm_hashes: &mut [u64], scratch: &mut Vec<u8>) -> u64 {
+    scratch.clear();
     pack_tokens(tokens, scratch);
     if !mm_hashes.is_empty() {
         mm_hashes.sort_unstable();

@@ -694,29 +694,29 @@ pub mod write {
         let len = value.len();
         if len < 32 {
             out.push(0xa0 | len as u8);
-        } else if len <= usize::from(u8::MAX) {
-            out.extend_from_slice(&[0xd9, len as u8]);
-        } else if len <= usize::from(u16::MAX) {
-            out.push(0xda);
-            out.extend_from_slice(&(len as u16).to_be_bytes());
         } else {
-            out.push(0xdb);
-            out.extend_from_slice(&(len as u32).to_be_bytes());
+            sized_header(out, len, [0xd9, 0xda, 0xdb]);
         }
         out.extend_from_slice(value.as_bytes());
     }
 
-    /// A bin header for `len` bytes (the bytes follow).
-    pub fn bin_header(out: &mut Vec<u8>, len: usize) {
+    /// The header of a string or bin of `len` bytes in its 8-, 16- or 32-bit length form,
+    /// whose markers are `markers` in that order.
+    fn sized_header(out: &mut Vec<u8>, len: usize, markers: [u8; 3]) {
         if len <= usize::from(u8::MAX) {
-            out.extend_from_slice(&[0xc4, len as u8]);
+            out.extend_from_slice(&[markers[0], len as u8]);
         } else if len <= usize::from(u16::MAX) {
-            out.push(0xc5);
+            out.push(markers[1]);
             out.extend_from_slice(&(len as u16).to_be_bytes());
         } else {
-            out.push(0xc6);
+            out.push(markers[2]);
             out.extend_from_slice(&(len as u32).to_be_bytes());
         }
+    }
+
+    /// A bin header for `len` bytes (the bytes follow).
+    pub fn bin_header(out: &mut Vec<u8>, len: usize) {
+        sized_header(out, len, [0xc4, 0xc5, 0xc6]);
     }
 
     pub fn array(out: &mut Vec<u8>, len: usize) {

@@ -96,11 +96,24 @@ impl Output {
 
     /// Bytes the buffers hold, by capacity.
     fn buffer_bytes(&self) -> usize {
-        self.events.capacity() * std::mem::size_of::<OutEvent>()
-            + self.blocks.capacity() * 16
-            + self.token_msgpack.capacity()
-            + self.token_ids.capacity() * 4
-            + self.hashes.capacity() * 8
+        fn bytes<T>(values: &Vec<T>) -> usize {
+            values.capacity() * std::mem::size_of::<T>()
+        }
+        bytes(&self.events)
+            + bytes(&self.blocks)
+            + bytes(&self.token_msgpack)
+            + bytes(&self.token_ids)
+            + bytes(&self.hashes)
+    }
+
+    /// Empties the output, keeping its buffers.
+    fn clear(&mut self) {
+        self.batch = None;
+        self.events.clear();
+        self.blocks.clear();
+        self.token_msgpack.clear();
+        self.token_ids.clear();
+        self.hashes.clear();
     }
 
     /// The payloads that republish these events, one batch per run of one dp rank, in vLLM
@@ -236,19 +249,8 @@ impl Drop for Output {
                 return;
             };
             if spare.len() < SPARES {
-                let mut kept = Output {
-                    batch: None,
-                    events: std::mem::take(&mut self.events),
-                    blocks: std::mem::take(&mut self.blocks),
-                    token_msgpack: std::mem::take(&mut self.token_msgpack),
-                    token_ids: std::mem::take(&mut self.token_ids),
-                    hashes: std::mem::take(&mut self.hashes),
-                };
-                kept.events.clear();
-                kept.blocks.clear();
-                kept.token_msgpack.clear();
-                kept.token_ids.clear();
-                kept.hashes.clear();
+                let mut kept = std::mem::take(self);
+                kept.clear();
                 spare.push(kept);
             }
         });

@@ -1,6 +1,7 @@
 //! The msgpack of `list[kvbridge.TieredEvent]` for an [`Output`], which msgspec builds the
 //! Python values from in one pass.
 
+use crate::hashing::pack_tokens;
 use crate::msgpack::write;
 use crate::output::{Body, Output};
 
@@ -42,11 +43,7 @@ impl Output {
                     out.extend_from_slice(keys::TOKEN_IDS);
                     let ids = &self.token_ids[store.ids.clone()];
                     write::bin_header(&mut out, ids.len() * 4);
-                    let start = out.len();
-                    out.resize(start + ids.len() * 4, 0);
-                    for (place, id) in out[start..].chunks_exact_mut(4).zip(ids) {
-                        place.copy_from_slice(&id.to_le_bytes());
-                    }
+                    pack_tokens(ids, &mut out);
                     out.extend_from_slice(keys::LORA_NAME);
                     write_opt_str(&mut out, store.lora_name.as_deref());
                     out.extend_from_slice(keys::CACHE_SALT);

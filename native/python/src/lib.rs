@@ -330,16 +330,13 @@ impl PyOutput {
             .call_method1("index", PyTuple::new(py, call)?)
     }
 
-    /// How many events equal `value`.
-    fn count(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let events = self.events(py)?;
-        let mut count = 0;
-        for event in events.iter() {
-            if event.eq(value)? {
-                count += 1;
-            }
-        }
-        Ok(count)
+    /// How many events equal `value`, as `list.count`.
+    fn count<'py>(
+        &self,
+        py: Python<'py>,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.events(py)?.as_any().call_method1("count", (value,))
     }
 
     /// The input batch's engine time, or `None` for a reset.
