@@ -260,7 +260,8 @@ class RoutingState:
             "late",
             deployment=self.deployment,
             request_id=request_id,
-            after_s=round(time.perf_counter() - started, 3),
+            # to the microsecond: a timeout can be that short, and Dynamo's answer that fast
+            after_s=round(time.perf_counter() - started, 6),
             timeout_s=timeout_s,
             error=error,
         )
