@@ -1,5 +1,8 @@
 //! The msgpack of `list[kvbridge.TieredEvent]` for an [`Output`], which msgspec builds the
 //! Python values from in one pass.
+//!
+//! A field at its default (a `None` LoRA name or cache salt, dp rank 0 in `KvCacheEvent`) is
+//! left out: msgspec fills a default faster than it reads a key and its value.
 
 use crate::hashing::pack_tokens;
 use crate::msgpack::write;
@@ -18,13 +21,22 @@ impl Output {
         let mut out = Vec::with_capacity(capacity);
         write::array(&mut out, self.events.len());
         for event in &self.events {
-            let stored = matches!(event.body, Body::Stored(_));
-            write::map(&mut out, if stored { 7 } else { 4 }, 7);
+            let fields = match &event.body {
+                Body::Stored(store) => {
+                    5 + usize::from(store.lora_name.is_some())
+                        + usize::from(store.cache_salt.is_some())
+                }
+                _ => 4,
+            };
+            write::map(&mut out, fields, 7);
             out.extend_from_slice(keys::WORKER_ID);
             write::uint(&mut out, worker_id);
             out.extend_from_slice(keys::DP_RANK);
             write::uint(&mut out, u64::from(event.dp_rank));
             out.extend_from_slice(keys::TIER[event.tier as usize]);
+            // `KvCacheEvent`: event_id, data and, unless it is 0, dp_rank.
+            write::map(&mut out, if event.dp_rank == 0 { 2 } else { 3 }, 3);
+            out.extend_from_slice(keys::EVENT_ID);
             write::uint(&mut out, event.event_id);
             match &event.body {
                 Body::Stored(store) => {
@@ -38,16 +50,20 @@ impl Output {
                     for &(hash, tokens_hash) in &self.blocks[store.blocks.clone()] {
                         out.extend_from_slice(&stored_block(hash, tokens_hash));
                     }
-                    write_event_tail(&mut out, event.dp_rank);
+                    write_event_dp_rank(&mut out, event.dp_rank);
                     // `kvbridge.TokenIds`: its one field, the ids as u32 little-endian.
                     out.extend_from_slice(keys::TOKEN_IDS);
                     let ids = &self.token_ids[store.ids.clone()];
                     write::bin_header(&mut out, ids.len() * 4);
                     pack_tokens(ids, &mut out);
-                    out.extend_from_slice(keys::LORA_NAME);
-                    write_opt_str(&mut out, store.lora_name.as_deref());
-                    out.extend_from_slice(keys::CACHE_SALT);
-                    write_opt_str(&mut out, store.cache_salt.as_deref());
+                    if let Some(name) = store.lora_name.as_deref() {
+                        out.extend_from_slice(keys::LORA_NAME);
+                        write::str(&mut out, name);
+                    }
+                    if let Some(salt) = store.cache_salt.as_deref() {
+                        out.extend_from_slice(keys::CACHE_SALT);
+                        write::str(&mut out, salt);
+                    }
                 }
                 Body::Removed { hashes } => {
                     out.extend_from_slice(keys::REMOVED);
@@ -56,11 +72,11 @@ impl Output {
                         out.push(0xcf);
                         out.extend_from_slice(&hash.to_be_bytes());
                     }
-                    write_event_tail(&mut out, event.dp_rank);
+                    write_event_dp_rank(&mut out, event.dp_rank);
                 }
                 Body::Cleared => {
                     out.extend_from_slice(keys::CLEARED);
-                    write_event_tail(&mut out, event.dp_rank);
+                    write_event_dp_rank(&mut out, event.dp_rank);
                 }
             }
         }
@@ -90,13 +106,14 @@ fn stored_block(hash: u64, tokens_hash: u64) -> [u8; STORED_BLOCK_SIZE] {
 mod keys {
     pub const WORKER_ID: &[u8] = b"\xa9worker_id";
     pub const DP_RANK: &[u8] = b"\xa7dp_rank";
-    /// Each tier's `tier` key and value, then the `event` key, its map of 3 and `event_id`.
+    /// Each tier's `tier` key and value, then the `event` key.
     pub const TIER: [&[u8]; 4] = [
-        b"\xa4tier\xa6device\xa5event\x83\xa8event_id",
-        b"\xa4tier\xabhost_pinned\xa5event\x83\xa8event_id",
-        b"\xa4tier\xa4disk\xa5event\x83\xa8event_id",
-        b"\xa4tier\xa8external\xa5event\x83\xa8event_id",
+        b"\xa4tier\xa6device\xa5event",
+        b"\xa4tier\xabhost_pinned\xa5event",
+        b"\xa4tier\xa4disk\xa5event",
+        b"\xa4tier\xa8external\xa5event",
     ];
+    pub const EVENT_ID: &[u8] = b"\xa8event_id";
     /// `data`, `{"stored": {` and the `parent_hash` key.
     pub const STORED: &[u8] = b"\xa4data\x81\xa6stored\x82\xabparent_hash";
     pub const BLOCKS: &[u8] = b"\xa6blocks";
@@ -111,15 +128,11 @@ mod keys {
     pub const CLEARED: &[u8] = b"\xa4data\xa7cleared";
 }
 
-fn write_event_tail(out: &mut Vec<u8>, dp_rank: u32) {
-    write::str(out, "dp_rank");
-    write::uint(out, u64::from(dp_rank));
-}
-
-fn write_opt_str(out: &mut Vec<u8>, value: Option<&str>) {
-    match value {
-        Some(value) => write::str(out, value),
-        None => write::nil(out),
+/// `KvCacheEvent.dp_rank`, unless it is the default, 0.
+fn write_event_dp_rank(out: &mut Vec<u8>, dp_rank: u32) {
+    if dp_rank != 0 {
+        out.extend_from_slice(keys::DP_RANK);
+        write::uint(out, u64::from(dp_rank));
     }
 }
 
@@ -140,13 +153,10 @@ mod tests {
         assert_eq!(keys::WORKER_ID, strs(&["worker_id"]));
         assert_eq!(keys::DP_RANK, strs(&["dp_rank"]));
         for tier in Tier::ALL {
-            let expected = join(&[
-                &strs(&["tier", tier.name(), "event"]),
-                &map(3),
-                &strs(&["event_id"]),
-            ]);
+            let expected = strs(&["tier", tier.name(), "event"]);
             assert_eq!(keys::TIER[tier as usize], expected);
         }
+        assert_eq!(keys::EVENT_ID, strs(&["event_id"]));
         let stored = join(&[&strs(&["data"]), &map(1), &strs(&["stored"]), &map(2)]);
         assert_eq!(keys::STORED, join(&[&stored, &strs(&["parent_hash"])]));
         assert_eq!(keys::BLOCKS, strs(&["blocks"]));
