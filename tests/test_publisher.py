@@ -12,20 +12,24 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import structlog
 import xxhash
 import zmq
 from support.memory import rss_mb
 from support.selection_harness import SelectionHarness, wait_connected
+from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge.adapters.endpoints import should_bind
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.replay_protocol import END_SEQ
+from kvbridge.adapters.replay_server import AnswerCut
 
 LOCAL = "tcp://127.0.0.1:0"
 RECV_TIMEOUT_MS = 2000
@@ -454,11 +458,84 @@ def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
                 served += newly
         grown = rss_mb() - before
         answers = [read_replay(dealers[0]) for _ in range(asks)]
+        assert pub.replay_answers_cut == Counter()
     assert served == peers * asks
     assert grown < 12, f"the queued answers grew the RSS by {grown:.0f} MB"
     for answer in answers:
         assert [m[3] for m in answer[:-1]] == payloads
         assert answer[-1] == [b"", b"", END_SEQ, b""]
+
+
+def test_an_answer_a_peer_cannot_take_stops_and_is_counted(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A peer asks four times for a buffer of 200 payloads of 60 KB and reads nothing until
+    all four are served. Two answers fill the ROUTER's high-water mark (2 x 201 messages);
+    the third stops at the first message that no longer fits, the fourth at its first: each
+    cut answer is counted (``peer_full``) and logged with how many of its messages went, and
+    nothing after the cut is sent, the end marker included. Read afterwards, the peer has two
+    whole answers, then exactly the messages the log lines say were sent."""
+    steps, asks = 200, 4
+    payloads = [bytes([i]) * 60_000 for i in range(steps)]
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=steps) as pub:
+        assert pub.replay_endpoint is not None
+        for payload in payloads:
+            pub.publish(payload, send=False)
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.RCVHWM, 1)
+        peer.setsockopt(zmq.RCVBUF, 4096)
+        peer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        peer.connect(pub.replay_endpoint)
+        with structlog.testing.capture_logs() as lines:
+            served = 0
+            for _ in range(asks):
+                peer.send_multipart([b"", seq8(0)])
+                served += pub.serve_replays(timeout_ms=RECV_TIMEOUT_MS)
+        assert served == asks
+        assert pub.replay_answers_cut == Counter({AnswerCut.PEER_FULL: 2})
+        cuts = [line for line in lines if line["event"] == "replay answer cut"]
+        assert [(line["reason"], line["start_seq"], line["of"]) for line in cuts] == [
+            ("peer_full", 0, steps + 1)
+        ] * 2
+        sent = [line["sent"] for line in cuts]
+        assert all(0 <= count < steps + 1 for count in sent)
+        whole = [[b"", b"", seq8(seq), payloads[seq]] for seq in range(steps)]
+        whole.append([b"", b"", END_SEQ, b""])
+        expected = whole * 2 + whole[: sent[0]] + whole[: sent[1]]
+        received = [peer.recv_multipart() for _ in expected]
+        peer.setsockopt(zmq.RCVTIMEO, 200)
+        with pytest.raises(zmq.Again):
+            peer.recv_multipart()
+    assert received == expected
+
+
+def test_an_answer_to_a_peer_that_went_away_is_counted(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A request whose peer disconnects before it is served: the answer's first message is
+    refused (the peer is unreachable), so none is sent, and it is counted ``peer_gone``."""
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=4) as pub:
+        assert pub.replay_endpoint is not None
+        for payload in (b"b0", b"b1", b"b2"):
+            pub.publish(payload, send=False)
+        router = pub.replay_socket()._socket  # the ROUTER itself: to see the peer leave
+        assert router is not None
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        peer = dealer(ctx, pub.replay_endpoint)
+        peer.send_multipart([b"", seq8(0)])
+        assert router.poll(RECV_TIMEOUT_MS, zmq.POLLIN)  # the request has arrived
+        peer.close(linger=0)
+        assert parse_monitor_message(monitor.recv_multipart())["event"] == (zmq.EVENT_DISCONNECTED)
+        router.disable_monitor()
+        monitor.close(linger=0)
+        with structlog.testing.capture_logs() as lines:
+            assert pub.serve_replays() == 1
+        assert pub.replay_answers_cut == Counter({AnswerCut.PEER_GONE: 1})
+    assert [(line["event"], line["reason"], line["sent"], line["of"]) for line in lines] == [
+        ("replay answer cut", "peer_gone", 0, 4)
+    ]
 
 
 def test_a_payload_changed_after_it_was_published_replays_as_published(
@@ -491,6 +568,7 @@ def ask_at_exit():  # registered before pyzmq's exit handler, so it runs after i
 
 atexit.register(ask_at_exit)
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 from kvbridge.adapters.publisher import Publisher
 
 ctx = zmq.Context()

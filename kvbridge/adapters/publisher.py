@@ -38,6 +38,7 @@ Threads
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Final
 
@@ -46,7 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import should_bind
-from kvbridge.adapters.replay_server import ReplayBuffer, ReplaySocket, last_endpoint
+from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "Publisher"]
 
@@ -162,6 +163,12 @@ class Publisher(ClosedOnExit):
     def replay_endpoint(self) -> str | None:
         """The ROUTER socket's actual bound address, or ``None`` without a replay socket."""
         return None if self._replays is None else self._replays.endpoint
+
+    @property
+    def replay_answers_cut(self) -> Counter[AnswerCut]:
+        """Replay answers stopped before their end marker because the peer could not take
+        them, by reason (empty without a replay socket)."""
+        return Counter() if self._replays is None else Counter(self._replays.answers_cut)
 
     @property
     def topic(self) -> str:

@@ -7,9 +7,11 @@ counters into metric families when Prometheus scrapes, so the hot path pays noth
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.adapters.replay_server import AnswerCut
 from kvbridge.adapters.stream_stats import (
     OutputStats,
     PipelineStats,
@@ -43,6 +45,8 @@ METRICS: dict[str, str] = {
     "kvbridge_reconnect_checks_total": "Publishers checked after a drop (same process or new)",
     "kvbridge_replay_timeouts_total": "Replay requests unanswered within the timeout",
     "kvbridge_replay_truncated_total": "Replay answers cut at their bound (the rest counted lost)",
+    "kvbridge_replay_answers_cut_total": "Answers to replay requests stopped before their end "
+    "marker, by reason: peer_full (a peer that asks and does not read), peer_gone",
     "kvbridge_output_batches_total": "Batches the relay made itself, by kind: opening (the "
     "clear an output opens with), heartbeat, snapshot (answers to replays older than the buffer)",
     "kvbridge_state_evictions_total": "State given up to stay within the caps, by kind: ranks, "
@@ -114,7 +118,13 @@ class _Collector:
                 for tier in Tier:
                     count = normalizer.resident_blocks(rank, tier)
                     resident.add_metric([name, str(rank), tier.value], count)
-        yield from (blocks, clears, unknown, evictions, reanchored, tracked, lag, resident)
+        cut = _counter("kvbridge_replay_answers_cut_total", ["reason"])
+        cut_answers: Counter[AnswerCut] = Counter()
+        for publisher in relay.outputs.values():
+            cut_answers.update(publisher.replay_answers_cut)
+        for why in AnswerCut:
+            cut.add_metric([why.value], cut_answers[why])
+        yield from (blocks, clears, unknown, evictions, reanchored, tracked, lag, resident, cut)
         yield from _families(relay.stats, relay.output_stats)
 
     def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:

@@ -10,21 +10,34 @@ ROUTER sockets of many publishers from one thread.
 A request is ``[identity, b"", start_seq8]`` (a DEALER sends ``[b"", start_seq8]``). The answer
 is every buffered batch whose seq is >= ``start_seq``, oldest first, followed by an end marker;
 the frame layouts are in :mod:`kvbridge.adapters.replay_protocol`.
+
+An answer is never dropped silently. A ROUTER that cannot queue a message for a peer (its queue
+is at the socket's high-water mark because the peer asks and does not read, or the peer is
+gone) would drop it without a word; this one is ``ROUTER_MANDATORY``, so the answer stops
+there instead, and is counted in :attr:`ReplaySocket.answers_cut` by reason and logged. The
+peer then sees an answer without its end marker, as it would see a relay that went away, and
+asks again once its replay times out.
 """
 
 from __future__ import annotations
 
+import enum
+import errno
 import functools
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Final, Self
 
+import structlog
 import zmq
 
+from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
 
-__all__ = ["ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
+__all__ = ["AnswerCut", "ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
+
+log = structlog.get_logger("kvbridge.zmq")
 
 _REPLAY_POLL_MS: Final[int] = 50
 """How long a replay thread waits per poll, bounding how fast it stops."""
@@ -35,6 +48,15 @@ copy of every payload in them per answer: 10 such peers asking twice for 200 pay
 60 KB held 212 MB of copies, and hold 2.8 MB of messages shared (``tests/test_publisher.py``).
 Sharing costs the replay thread more than a copy (pyzmq frees a shared frame through its
 garbage-collector thread, a few us a message), which smaller frames would not repay."""
+
+
+class AnswerCut(enum.Enum):
+    """Why a replay answer stopped before its end marker."""
+
+    PEER_FULL = "peer_full"
+    """The peer's queue is at the ROUTER's high-water mark: it asked and does not read."""
+    PEER_GONE = "peer_gone"
+    """The peer disconnected before or during the answer."""
 
 
 def _serve_until(stop: threading.Event, serve: Callable[[], object]) -> None:
@@ -181,9 +203,16 @@ class ReplaySocket:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: ReplayServer | None = None
+        self.answers_cut: Final[Counter[AnswerCut]] = Counter(dict.fromkeys(AnswerCut, 0))
+        """Answers stopped before their end marker, by reason (see the module's doc). Every
+        reason is a key from the start, so that another thread can copy it while this one
+        counts."""
+        self._warn = LogLimiter(log.warning)
         self._socket: zmq.Socket[bytes] | None = context.socket(zmq.ROUTER)
         try:
             self._socket.setsockopt(zmq.LINGER, 0)
+            # Refuse, rather than drop, what a peer cannot take (sends are non-blocking).
+            self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # vLLM 0.33: room for a full replay plus its end marker.
             self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 1))
             self._socket.copy_threshold = _SHARED_FRAME_BYTES
@@ -228,15 +257,37 @@ class ReplaySocket:
             served += 1
 
     def _answer(self, router: zmq.Socket[bytes], identity: bytes, start_seq: int) -> None:
-        """Send ``identity`` the answer from ``start_seq`` on, then the end marker."""
-        # A ROUTER never blocks on send: beyond SNDHWM (or for a vanished peer) it drops.
+        """Send ``identity`` the answer from ``start_seq`` on, then the end marker; stop at the
+        first message the peer cannot take, and count why."""
         topic_frame = self._topic_frame
-        for seq, payload in self.buffer.answer(start_seq):
-            router.send_multipart(
-                answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame),
-                copy=False,
+        batches = self.buffer.answer(start_seq)
+        messages = [
+            answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
+            for seq, payload in batches
+        ]
+        messages.append(end_frames(identity, topic_frame=topic_frame))
+        for sent, frames in enumerate(messages):
+            try:
+                router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                reason = AnswerCut.PEER_FULL
+            except zmq.ZMQError as error:
+                if error.errno != errno.EHOSTUNREACH:
+                    raise
+                reason = AnswerCut.PEER_GONE
+            else:
+                continue
+            self.answers_cut[reason] += 1
+            self._warn(
+                "replay answer cut",
+                (self.endpoint, reason),
+                endpoint=self.endpoint,
+                reason=reason.value,
+                start_seq=start_seq,
+                sent=sent,
+                of=len(messages),
             )
-        router.send_multipart(end_frames(identity, topic_frame=topic_frame))
+            return
 
     def adopt(self, thread: threading.Thread, server: ReplayServer | None) -> zmq.Socket[bytes]:
         """Give the socket to ``thread`` (run by ``server``, if given) and return it, for that
