@@ -148,6 +148,18 @@ def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[byt
     return sock
 
 
+def slow_dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    """A DEALER that takes in one message at a time through a 4 KiB receive buffer: until it
+    reads, what is sent to it stays queued at the sender."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    sock.connect(endpoint)
+    return sock
+
+
 def read_replay(sock: zmq.Socket[bytes]) -> list[list[bytes]]:
     """Every message of one replay answer, end marker included."""
     messages: list[list[bytes]] = []
@@ -438,15 +450,7 @@ def test_peers_that_ask_and_never_read_share_the_buffers_payloads(
         assert pub.replay_endpoint is not None
         for payload in payloads:
             pub.publish(payload, send=False)
-        dealers = []
-        for _ in range(peers):
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, 1)
-            dealer.setsockopt(zmq.RCVBUF, 4096)
-            dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
-            dealer.connect(pub.replay_endpoint)
-            dealers.append(dealer)
+        dealers = [slow_dealer(ctx, pub.replay_endpoint) for _ in range(peers)]
         before = rss_mb()
         served = 0
         for ask in range(1, asks + 1):
@@ -481,12 +485,7 @@ def test_an_answer_a_peer_cannot_take_stops_and_is_counted(
         assert pub.replay_endpoint is not None
         for payload in payloads:
             pub.publish(payload, send=False)
-        peer = ctx.socket(zmq.DEALER)
-        peer.setsockopt(zmq.LINGER, 0)
-        peer.setsockopt(zmq.RCVHWM, 1)
-        peer.setsockopt(zmq.RCVBUF, 4096)
-        peer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
-        peer.connect(pub.replay_endpoint)
+        peer = slow_dealer(ctx, pub.replay_endpoint)
         with structlog.testing.capture_logs() as lines:
             served = 0
             for _ in range(asks):
