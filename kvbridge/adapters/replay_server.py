@@ -12,17 +12,19 @@ is every buffered batch whose seq is >= ``start_seq``, oldest first, followed by
 the frame layouts are in :mod:`kvbridge.adapters.replay_protocol`.
 
 An answer is never dropped silently. A ROUTER that cannot queue a message for a peer (its queue
-is at the socket's high-water mark because the peer asks and does not read, or the peer is
-gone) would drop it without a word; this one is ``ROUTER_MANDATORY``, so the answer stops
-there instead, and is counted in :attr:`ReplaySocket.answers_cut` by reason and logged. The
-peer then sees an answer without its end marker, as it would see a relay that went away, and
-asks again once its replay times out.
+is at the socket's high-water mark, or the peer is gone) would drop it without a word and send
+the rest, holes and all; this one is ``ROUTER_MANDATORY``, so the answer stops there instead,
+and is counted in :attr:`ReplaySocket.answers_cut` by reason and logged. The peer then sees an
+answer without its end marker, as it would see a relay that went away: its replay times out
+(kvbridge's own :class:`~kvbridge.adapters.replay_client.ReplayClient` keeps what arrived,
+counts a replay timeout, and counts the rest lost). The high-water mark leaves room for two
+whole answers per peer, so a peer that reads is not cut; one that asks again and again
+without reading is.
 """
 
 from __future__ import annotations
 
 import enum
-import errno
 import functools
 import threading
 from collections import Counter, deque
@@ -54,7 +56,8 @@ class AnswerCut(enum.Enum):
     """Why a replay answer stopped before its end marker."""
 
     PEER_FULL = "peer_full"
-    """The peer's queue is at the ROUTER's high-water mark: it asked and does not read."""
+    """The peer's queue is at the ROUTER's high-water mark: it asked again without reading
+    (or, for a source whose snapshot spans many dp ranks, an answer longer than the room)."""
     PEER_GONE = "peer_gone"
     """The peer disconnected before or during the answer."""
 
@@ -213,8 +216,9 @@ class ReplaySocket:
             self._socket.setsockopt(zmq.LINGER, 0)
             # Refuse, rather than drop, what a peer cannot take (sends are non-blocking).
             self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            # vLLM 0.33: room for a full replay plus its end marker.
-            self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 1))
+            # Room for two whole answers: every buffered batch, or a snapshot of a one-rank
+            # source (one payload) and the batches after it, then the end marker.
+            self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 2))
             self._socket.copy_threshold = _SHARED_FRAME_BYTES
             self._socket.bind(endpoint)
             self.endpoint: Final = last_endpoint(self._socket)
@@ -261,18 +265,18 @@ class ReplaySocket:
         first message the peer cannot take, and count why."""
         topic_frame = self._topic_frame
         batches = self.buffer.answer(start_seq)
-        messages = [
-            answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
-            for seq, payload in batches
-        ]
-        messages.append(end_frames(identity, topic_frame=topic_frame))
-        for sent, frames in enumerate(messages):
+        for sent in range(len(batches) + 1):
+            if sent < len(batches):
+                seq, payload = batches[sent]
+                frames = answer_frames(identity, self._topic, seq, payload, topic_frame=topic_frame)
+            else:
+                frames = end_frames(identity, topic_frame=topic_frame)
             try:
                 router.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 reason = AnswerCut.PEER_FULL
             except zmq.ZMQError as error:
-                if error.errno != errno.EHOSTUNREACH:
+                if error.errno != zmq.EHOSTUNREACH:
                     raise
                 reason = AnswerCut.PEER_GONE
             else:
@@ -285,7 +289,7 @@ class ReplaySocket:
                 reason=reason.value,
                 start_seq=start_seq,
                 sent=sent,
-                of=len(messages),
+                of=len(batches) + 1,
             )
             return
 
