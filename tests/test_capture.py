@@ -6,10 +6,12 @@ The wire format: README.md, "The relay in front of Dynamo" and "Captures".
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from importlib import resources
@@ -17,10 +19,19 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 import zmq
 from support.relay_process import start_kvbridge
 
-from kvbridge.adapters.capture import MAGIC, CaptureError, CaptureReader, CaptureWriter, FrameRecord
+from kvbridge.adapters.capture import (
+    MAGIC,
+    CaptureError,
+    CaptureReader,
+    CaptureWriter,
+    FrameRecord,
+    capture_name,
+)
+from kvbridge.adapters.capture_replay import replay_streams
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.testing.workload import seeded_stream
@@ -73,7 +84,7 @@ RECORDS = [
     FrameRecord(T0 + 5, "replay:tcp://127.0.0.1:5557", 1, [b"kv", seq8(2**64 - 2), b""]),
     FrameRecord(T0 + 9, "tcp://10.0.0.5:5557", 2**64 - 1, [b"t", b"x"]),  # 2 frames
     FrameRecord(T0 + 9, "tcp://10.0.0.5:5557", 7, [b"", b"\x00" * 7, b"p"]),  # 7-byte seq
-    FrameRecord(T0 + 10, "s", 0, []),
+    FrameRecord(T0 + 10, "s", 0, [b""]),  # one empty frame
 ]
 
 
@@ -190,6 +201,122 @@ def test_undecodable_record_and_unknown_version(tmp_path: Path) -> None:
     with pytest.raises(CaptureError, match=re.escape(f"{future}: unsupported capture version 2")):
         CaptureReader(future)
     assert issubclass(CaptureError, ValueError)
+
+
+def header_capture(path: Path, header: dict[str, object], records: list[object]) -> Path:
+    """A capture whose header and records are written as given, unchecked."""
+    bodies = [msgspec.msgpack.encode(header), *map(msgspec.msgpack.encode, records)]
+    path.write_bytes(MAGIC + b"".join(struct.pack(">I", len(body)) + body for body in bodies))
+    return path
+
+
+HEADER = {"format": "kvcap", "version": 1, "created_ns": 0}
+
+
+@pytest.mark.parametrize("value", ["4", 4.0, True, 0, -4, 2**32, [4]])
+def test_a_header_block_size_that_is_no_block_size(tmp_path: Path, value: object) -> None:
+    path = header_capture(tmp_path / "x.kvcap", {**HEADER, "meta": {"block_size": value}}, [])
+    reader = CaptureReader(path)  # the rest of the header is readable
+    with pytest.raises(CaptureError) as raised:
+        _ = reader.block_size
+    assert str(raised.value) == (
+        f"{path}: header block_size must be an integer in [1, 4294967295], got {value!r}"
+    )
+
+
+def test_header_block_size(tmp_path: Path) -> None:
+    sized = header_capture(tmp_path / "a.kvcap", {**HEADER, "meta": {"block_size": 2**32 - 1}}, [])
+    assert CaptureReader(sized).block_size == 2**32 - 1
+    assert CaptureReader(header_capture(tmp_path / "b.kvcap", HEADER, [])).block_size is None
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ([T0, "s", -1, [b""]], "Expected `int` >= 0 - at `$[2]`"),
+        ([T0, "s", 1, []], "Expected `array` of length >= 1 - at `$[3]`"),
+    ],
+    ids=["negative worker id", "no frames"],
+)
+def test_a_record_no_message_could_make(tmp_path: Path, record: list[object], error: str) -> None:
+    path = header_capture(tmp_path / "x.kvcap", HEADER, [[T0, "s", 1, [b"f"]], record])
+    reader = CaptureReader(path)
+    with pytest.raises(CaptureError) as raised:
+        list(reader)
+    assert str(raised.value) == f"{path}: record 1: {error}"
+
+
+def test_headers_that_are_not_this_format(tmp_path: Path) -> None:
+    other = header_capture(tmp_path / "other.kvcap", {**HEADER, "format": "pcap"}, [])
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(other)
+    assert str(raised.value) == f"{other}: not a kvcap capture (its header's format is 'pcap')"
+    future = header_capture(tmp_path / "future.kvcap", {**HEADER, "version": 2}, [])
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(future)
+    assert str(raised.value) == (
+        f"{future}: unsupported capture version 2 (this kvbridge reads version 1)"
+    )
+    magic_only = tmp_path / "magic.kvcap"
+    magic_only.write_bytes(MAGIC)
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(magic_only)
+    assert str(raised.value) == f"{magic_only}: unreadable header: the file ends after its magic"
+
+
+def test_a_fifo_is_refused_unread(tmp_path: Path) -> None:
+    """A FIFO's reader would wait for a writer forever."""
+    fifo = tmp_path / "fifo.kvcap"
+    os.mkfifo(fifo)
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(fifo)
+    assert str(raised.value) == f"{fifo}: not a regular file"
+
+
+def test_the_end_marker_is_no_seq() -> None:
+    """2**64 - 1 is the replay protocol's end marker: no batch has it."""
+    assert FrameRecord(T0, "s", 1, [b"", b"\xff" * 8, b"p"]).seq is None
+    assert FrameRecord(T0, "s", 1, [b"", b"\xff" * 7 + b"\xfe", b"p"]).seq == 2**64 - 2
+
+
+def test_capture_name_is_text_json_can_hold() -> None:
+    assert capture_name("a/b.kvcap") == "a/b.kvcap"
+    assert capture_name(Path(os.fsdecode(b"bad\xffname.kvcap"))) == "bad\\xffname.kvcap"
+    assert msgspec.json.encode(capture_name(os.fsdecode(b"\xff"))) == b'"\\\\xff"'
+
+
+def test_a_failed_write_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as raised, CaptureWriter("/dev/full") as writer:
+        writer.write([b"p"], stream="s")
+        writer.flush()
+    assert (raised.value.filename, raised.value.strerror) == (
+        "/dev/full",
+        "No space left on device",
+    )
+
+
+def test_a_long_wait_in_an_original_paced_replay_is_logged() -> None:
+    """A damaged receive time far in the future would stall the replay silently."""
+    records = [
+        FrameRecord(T0, "s", 1, [b"", seq8(0), b"a"]),
+        FrameRecord(T0 + 3_600 * 10**9, "s", 1, [b"", seq8(1), b"b"]),
+    ]
+    stop = threading.Event()
+    endpoint = f"tcp://127.0.0.1:{free_port_range(1)}"
+    timer = threading.Timer(0.5, stop.set)
+    timer.start()
+    try:
+        with structlog.testing.capture_logs() as lines:
+            [result] = replay_streams(
+                [(endpoint, records)], bind=True, wait_subscribers=0, stop=stop
+            )
+    finally:
+        timer.cancel()
+    assert result.sent == 1
+    [line] = [line for line in lines if line["log_level"] == "warning"]
+    assert line["event"] == "long wait: the capture's receive times are this far apart"
+    assert (line["stream"], line["sent"]) == (endpoint, 1)
+    assert 3_599 <= line["seconds"] <= 3_600
 
 
 def test_bundled_sample() -> None:

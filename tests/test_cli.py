@@ -22,9 +22,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from support.relay_process import RelayProcess, start_kvbridge
 
@@ -362,6 +364,72 @@ BAD_ARGUMENTS = [
         ["replay", str(SAMPLE), "--publish", "tcp://*:5557", "--wait-subscribers", "-1"],
         "kvbridge replay: error: argument --wait-subscribers: must be at least 0: '-1'",
     ),
+    # upper bounds: past them a socket option or the core would overflow
+    (
+        ["demo", "--block-size", str(2**32)],
+        "kvbridge demo: error: argument --block-size: must be at most 4294967295: '4294967296'",
+    ),
+    (
+        [
+            *RELAY[:3],
+            "--publish",
+            "tcp://127.0.0.1:4",
+            "--block-size",
+            "4",
+            "--output-hwm",
+            str(2**31),
+        ],
+        "kvbridge relay: error: argument --output-hwm: must be at most 2147483647: '2147483648'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:4", "--buffer-steps", "1073741822"],
+        "kvbridge relay: error: argument --buffer-steps: must be at most 1073741821: '1073741822'",
+    ),
+    (
+        ["watch", "--source", "tcp://*:5557", "--block-size", "4", "--max-frame-bytes", str(2**63)],
+        "kvbridge watch: error: argument --max-frame-bytes: must be at most 9223372036854710271: "
+        "'9223372036854775808'",
+    ),
+    (
+        ["record", "--source", "tcp://*:5557", "--out", "x.kvcap", "--duration", "1e10"],
+        f"kvbridge record: error: argument --duration: must be at most {threading.TIMEOUT_MAX}: "
+        "'1e10'",
+    ),
+    (
+        ["replay", str(SAMPLE), "--publish", "tcp://*:5557", "--wait-subscribers", "nan"],
+        "kvbridge replay: error: argument --wait-subscribers: not a number: 'nan'",
+    ),
+    # text that is not what it must be
+    (
+        ["watch", "--source", "tcp://*:5557", "--block-size", "4", "--source-topic", "\udcff"],
+        "kvbridge watch: error: argument --source-topic: not valid UTF-8: '\\udcff'",
+    ),
+    (
+        ["watch", "--source", "tcp://127.0.0.1:\u00b2", "--block-size", "4"],
+        "kvbridge watch: error: argument --source: port '\u00b2' is not a number in "
+        "'tcp://127.0.0.1:\u00b2'",
+    ),
+    (
+        ["watch", "--source", "tcp://127.0.0.1:\u0665\u0665\u0665\u0667", "--block-size", "4"],
+        "kvbridge watch: error: argument --source: port '\u0665\u0665\u0665\u0667' is not a "
+        "number in 'tcp://127.0.0.1:\u0665\u0665\u0665\u0667'",
+    ),
+    (
+        ["demo", ""],
+        "kvbridge demo: error: argument capture: empty path",
+    ),
+    (
+        ["validate", ""],
+        "kvbridge validate: error: argument CAPTURE: empty path",
+    ),
+    (
+        ["record", "--source", "tcp://*:5557", "--out", ""],
+        "kvbridge record: error: argument --out: empty path",
+    ),
+    (
+        ["demo", "--bogus"],
+        "kvbridge demo: error: unrecognized arguments: --bogus",
+    ),
 ]
 
 
@@ -439,6 +507,107 @@ def test_not_a_capture_is_invalid_data_exit_1(tmp_path: Path, command: str) -> N
         f"kvbridge {command}: error: {path}: not a kvcap file (bad magic)"
     ]
     assert result.returncode == 1
+
+
+def header_capture(path: Path, meta: dict[str, object], records: list[object]) -> Path:
+    """A capture whose header meta and records are written as given, unchecked."""
+    header = {"format": "kvcap", "version": 1, "created_ns": 0, "meta": meta}
+    bodies = [msgspec.msgpack.encode(header), *map(msgspec.msgpack.encode, records)]
+    path.write_bytes(b"KVCAP\x01\n" + b"".join(len(b).to_bytes(4, "big") + b for b in bodies))
+    return path
+
+
+RECORD = [1_700_000_000_000_000_000, "tcp://127.0.0.1:5557", 1, [b"", bytes(8), b"\x93"]]
+
+
+@pytest.mark.parametrize(
+    ("command", "meta", "records", "error"),
+    [
+        (
+            "demo",
+            {"block_size": "4"},
+            [],
+            "header block_size must be an integer in [1, 4294967295], got '4'",
+        ),
+        (
+            "validate",
+            {"block_size": -4},
+            [],
+            "header block_size must be an integer in [1, 4294967295], got -4",
+        ),
+        (
+            "demo",
+            {"block_size": 4, "prompts": [{"token_ids": "12"}]},
+            [],
+            "header prompts: prompt 0: Expected `array`, got `str` - at `$.token_ids`",
+        ),
+        (
+            "demo",
+            {"block_size": 4},
+            [[*RECORD[:2], -5, RECORD[3]]],
+            "record 0: Expected `int` >= 0 - at `$[2]`",
+        ),
+        (
+            "validate",
+            {},
+            [[*RECORD[:3], []]],
+            "record 0: Expected `array` of length >= 1 - at `$[3]`",
+        ),
+    ],
+    ids=["demo block size", "validate block size", "prompts", "worker id", "no frames"],
+)
+def test_a_damaged_capture_is_invalid_data_exit_1(
+    tmp_path: Path, command: str, meta: dict[str, object], records: list[object], error: str
+) -> None:
+    path = header_capture(tmp_path / "damaged.kvcap", meta, records)
+    result = kvbridge(command, str(path))
+    assert result.stderr.splitlines() == [f"kvbridge {command}: error: {path}: {error}"]
+    assert result.returncode == 1
+
+
+def test_replay_of_a_record_without_frames_is_exit_1(tmp_path: Path) -> None:
+    path = header_capture(tmp_path / "empty.kvcap", {}, [[*RECORD[:3], []]])
+    result = kvbridge("replay", str(path), "--publish", "tcp://*:5557", "--wait-subscribers", "0")
+    assert result.stderr.splitlines()[-1] == (
+        f"kvbridge replay: error: {path}: record 0: Expected `array` of length >= 1 - at `$[3]`"
+    )
+    assert result.returncode == 1
+
+
+def test_validate_flags_the_end_marker_as_a_seq(tmp_path: Path) -> None:
+    end = [*RECORD[:3], [b"", b"\xff" * 8, msgspec.msgpack.encode([0.0, []])]]
+    path = header_capture(tmp_path / "end.kvcap", {"block_size": 4}, [end])
+    result = kvbridge("validate", "--format", "json", str(path))
+    report = msgspec.json.decode(result.stdout)
+    assert [(p["reason"], p["message"], p.get("seq")) for p in report["problems"]] == [
+        ("bad_seq", "sequence frame is 2**64 - 1, the replay protocol's end marker", None)
+    ]
+    assert result.returncode == 1
+
+
+def test_validate_names_a_file_whose_name_is_not_utf8_in_json(tmp_path: Path) -> None:
+    path = tmp_path / os.fsdecode(b"bad\xffname.kvcap")
+    path.write_bytes(SAMPLE.read_bytes())
+    result = kvbridge("validate", "--format", "json", str(path))
+    assert result.returncode == 0, result.stderr
+    [name] = msgspec.json.decode(result.stdout)["captures"]
+    assert name == f"{tmp_path}/bad\\xffname.kvcap"
+
+
+def test_a_write_that_fails_names_the_file() -> None:
+    result = kvbridge(
+        "record",
+        "--source",
+        f"tcp://*:{free_port_range(1)}",
+        "--out",
+        "/dev/full",
+        "--duration",
+        "5",
+    )
+    assert result.stderr.splitlines()[-1] == (
+        "kvbridge record: error: /dev/full: No space left on device"
+    )
+    assert result.returncode == 2
 
 
 @pytest.mark.parametrize(

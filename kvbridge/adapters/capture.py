@@ -26,18 +26,19 @@ Frames are stored exactly as received, so a malformed message is captured as it 
 from __future__ import annotations
 
 import contextlib
-import heapq
+import os
+import stat
 import struct
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Annotated, Any, Final, Literal
+from typing import IO, Annotated, Any, Final
 
 import msgspec
 
 from kvbridge._closing import ClosedOnExit
-from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.replay_protocol import END_SEQ
+from kvbridge.normalizers import MAX_BLOCK_SIZE
 
 __all__ = [
     "MAGIC",
@@ -46,13 +47,10 @@ __all__ = [
     "CaptureWriter",
     "FrameRecord",
     "Prompt",
-    "StreamReplay",
+    "capture_name",
     "capture_streams",
-    "in_receipt_order",
     "prompts_of",
     "read_prompts",
-    "replay_capture",
-    "replay_streams",
 ]
 
 MAGIC: Final = b"KVCAP\x01\n"
@@ -65,17 +63,19 @@ class CaptureError(ValueError):
 
 
 class FrameRecord(msgspec.Struct, array_like=True, frozen=True):
-    """One captured ZMQ message."""
+    """One captured ZMQ message. A capture's records are checked as they are read: a worker
+    id is Dynamo's u64, and a ZMQ message has at least one frame."""
 
     received_ns: int
     stream: str
-    worker_id: int
-    frames: list[bytes]
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    frames: Annotated[list[bytes], msgspec.Meta(min_length=1)]
 
     @property
     def seq(self) -> int | None:
-        """The vLLM sequence number, if the message has vLLM's three-frame shape."""
-        if len(self.frames) == 3 and len(self.frames[1]) == 8:
+        """The vLLM sequence number, if the message has vLLM's three-frame shape and its seq
+        frame is one a batch can have (not the replay protocol's end marker, 2**64 - 1)."""
+        if len(self.frames) == 3 and len(self.frames[1]) == 8 and self.frames[1] != END_SEQ:
             return int.from_bytes(self.frames[1], "big")
         return None
 
@@ -155,13 +155,25 @@ class CaptureWriter(ClosedOnExit):
     def __init__(self, path: str | Path, *, meta: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
         self._file: IO[bytes] = self.path.open("wb")
-        self._file.write(MAGIC)
+        with self._named_errors():
+            self._file.write(MAGIC)
         self._write(_encoder.encode(_Header("kvcap", VERSION, time.time_ns(), meta or {})))
         self.count = 0
 
     def _write(self, body: bytes) -> None:
-        self._file.write(_LENGTH.pack(len(body)))
-        self._file.write(body)
+        with self._named_errors():
+            self._file.write(_LENGTH.pack(len(body)))
+            self._file.write(body)
+
+    @contextlib.contextmanager
+    def _named_errors(self) -> Iterator[None]:
+        """A write's error names the file (the OS names none for a failed write)."""
+        try:
+            yield
+        except OSError as error:
+            if error.filename is not None or error.errno is None:
+                raise
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
 
     def write(
         self,
@@ -176,29 +188,68 @@ class CaptureWriter(ClosedOnExit):
         self.count += 1
 
     def flush(self) -> None:
-        self._file.flush()
+        with self._named_errors():
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with self._named_errors():
+            self._file.close()
 
 
 class CaptureReader:
     """Reads a capture file: :attr:`meta` from its header, then the frame records in order."""
 
     def __init__(self, path: str | Path) -> None:
+        """Reads the whole file and its header.
+
+        Raises:
+            OSError: the file cannot be read (missing, a directory, no permission).
+            CaptureError: it is not a regular file, or not a capture this version reads.
+        """
         self.path = Path(path)
+        # A FIFO or a device would be read until it ends, which it need not ever do.
+        if not stat.S_ISREG(mode := self.path.stat().st_mode) and not stat.S_ISDIR(mode):
+            raise CaptureError(f"{self.path}: not a regular file")
         self._data = self.path.read_bytes()
         if not self._data.startswith(MAGIC):
             raise CaptureError(f"{self.path}: not a kvcap file (bad magic)")
         records = self._bodies()
         try:
             header = _header_decoder.decode(next(records))
-        except (StopIteration, msgspec.DecodeError) as error:
+        except StopIteration:
+            raise CaptureError(
+                f"{self.path}: unreadable header: the file ends after its magic"
+            ) from None
+        except msgspec.DecodeError as error:
             raise CaptureError(f"{self.path}: unreadable header: {error}") from error
-        if header.format != "kvcap" or header.version != VERSION:
-            raise CaptureError(f"{self.path}: unsupported capture version {header.version}")
+        if header.format != "kvcap":
+            raise CaptureError(
+                f"{self.path}: not a kvcap capture (its header's format is {header.format!r})"
+            )
+        if header.version != VERSION:
+            raise CaptureError(
+                f"{self.path}: unsupported capture version {header.version} "
+                f"(this kvbridge reads version {VERSION})"
+            )
         self.created_ns = header.created_ns
         self.meta = header.meta
+
+    @property
+    def block_size(self) -> int | None:
+        """The block size the header carries (``meta["block_size"]``), ``None`` if none.
+
+        Raises:
+            CaptureError: the header's ``block_size`` is not a block size.
+        """
+        value = self.meta.get("block_size")
+        if value is None:
+            return None
+        if type(value) is not int or not 1 <= value <= MAX_BLOCK_SIZE:
+            raise CaptureError(
+                f"{self.path}: header block_size must be an integer in [1, {MAX_BLOCK_SIZE}], "
+                f"got {value!r}"
+            )
+        return value
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -235,6 +286,12 @@ class CaptureReader:
                 raise CaptureError(f"{self.path}: record {index}: {error}") from error
 
 
+def capture_name(path: str | Path) -> str:
+    """A capture's path as a report names it: text that encodes as UTF-8 (JSON's encoding)
+    whatever bytes the file name has, those that are not UTF-8 written as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def capture_streams(records: Iterable[FrameRecord]) -> dict[str, list[FrameRecord]]:
     """The records of each recorded stream, by stream, in order of first appearance. A record
     recovered through a replay socket (stream ``replay:<endpoint>``) goes with its live stream,
@@ -243,113 +300,3 @@ def capture_streams(records: Iterable[FrameRecord]) -> dict[str, list[FrameRecor
     for record in records:
         streams.setdefault(record.stream.removeprefix("replay:"), []).append(record)
     return streams
-
-
-class StreamReplay(msgspec.Struct):
-    """What :func:`replay_streams` did with one stream."""
-
-    endpoint: str
-    """The endpoint it was published on, as given."""
-    sent: int = 0
-    subscribed: bool = False
-    """Whether a subscriber was connected before the first message went out."""
-
-
-def replay_streams(
-    streams: Sequence[tuple[str, Sequence[FrameRecord]]],
-    *,
-    bind: bool | None = None,
-    pace: Literal["original", "max"] = "original",
-    wait_subscribers: float = 5.0,
-    stop: threading.Event | None = None,
-) -> list[StreamReplay]:
-    """Publish each stream's frames on a PUB socket of its own, byte for byte.
-
-    ``streams`` are ``(endpoint, records)`` pairs. Each endpoint follows vLLM's bind/connect rule
-    unless ``bind`` says otherwise, so a subscriber configured for the recorded engine works
-    unchanged. The messages of all streams go out in the order of their receive times (each
-    stream's own order kept): ``pace="original"`` keeps the recorded gaps between them, ``"max"``
-    sends as fast as the sockets take them. Waits up to ``wait_subscribers`` seconds in all for a
-    first subscriber on every socket, since a PUB socket drops what it sends before anyone
-    listens.
-    """
-    results = [StreamReplay(endpoint) for endpoint, _ in streams]
-    with contextlib.ExitStack() as sockets:
-        publishers = [
-            sockets.enter_context(Publisher(endpoint, bind=bind)) for endpoint, _ in streams
-        ]
-        deadline = time.monotonic() + wait_subscribers
-        for publisher, result in zip(publishers, results, strict=True):
-            result.subscribed = wait_subscribers > 0 and _wait_for_subscriber(
-                publisher, deadline, stop
-            )
-        ordered = in_receipt_order([records for _, records in streams])
-        start = time.monotonic()
-        first_ns = min((records[0].received_ns for _, records in streams if records), default=0)
-        for index, record in ordered:
-            if stop is not None and stop.is_set():
-                break
-            if pace == "original":
-                delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
-                if delay > 0 and stop is not None:
-                    stop.wait(delay)
-                elif delay > 0:
-                    time.sleep(delay)
-            publishers[index].send_frames(record.frames)
-            results[index].sent += 1
-        time.sleep(0.1)  # let ZMQ flush before the sockets close (linger is 0)
-    return results
-
-
-_STOP_CHECK_S: Final = 0.1
-"""How often a wait for subscribers looks at the stop event: a signal ends it this fast."""
-
-
-def _wait_for_subscriber(
-    publisher: Publisher, deadline: float, stop: threading.Event | None
-) -> bool:
-    """Wait until ``deadline`` for one subscriber, in short slices so that ``stop`` ends it."""
-    while stop is None or not stop.is_set():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        if publisher.wait_for_subscribers(timeout=min(_STOP_CHECK_S, remaining)):
-            return True
-    return False
-
-
-def in_receipt_order(
-    streams: Sequence[Iterable[FrameRecord]],
-) -> Iterator[tuple[int, FrameRecord]]:
-    """``(stream index, record)`` over all streams, merged by receive time; each stream keeps
-    its own order, and a tie goes to the earlier stream."""
-    tagged = [_tagged(index, records) for index, records in enumerate(streams)]
-    for _, index, record in heapq.merge(*tagged, key=lambda item: item[0]):
-        yield index, record
-
-
-def _tagged(index: int, records: Iterable[FrameRecord]) -> Iterator[tuple[int, int, FrameRecord]]:
-    return ((record.received_ns, index, record) for record in records)
-
-
-def replay_capture(
-    records: Sequence[FrameRecord],
-    endpoint: str,
-    *,
-    pace: Literal["original", "max"] = "original",
-    wait_subscribers: float = 5.0,
-    stop: threading.Event | None = None,
-    bind: bool | None = None,
-) -> int:
-    """Publish the captured frames on one PUB socket, byte for byte, in capture order (every
-    stream merged: see :func:`replay_streams` to keep them apart).
-
-    ``endpoint`` follows vLLM's bind/connect rule unless ``bind`` says otherwise.
-    ``pace="original"`` keeps the recorded gaps between messages; ``"max"`` sends as fast as the
-    socket takes them. Waits up to ``wait_subscribers`` seconds for a first subscriber, since a
-    PUB socket drops what it sends before anyone listens. Returns the number of messages sent.
-    """
-    (result,) = replay_streams(
-        [(endpoint, records)], bind=bind, pace=pace, wait_subscribers=wait_subscribers, stop=stop
-    )
-    return result.sent

@@ -141,7 +141,11 @@ def parse_endpoint(text: str) -> Endpoint:
     if scheme == "ipc":
         if not rest:
             raise EndpointError(f"no path in {text!r} (expected ipc://PATH)")
-        if len(rest.encode()) > _IPC_PATH_MAX:
+        try:
+            path = rest.encode()
+        except UnicodeEncodeError:
+            raise EndpointError(f"ipc path is not valid UTF-8 in {text!r}") from None
+        if len(path) > _IPC_PATH_MAX:
             raise EndpointError(
                 f"ipc path longer than {_IPC_PATH_MAX} bytes in {text!r}: use a shorter path"
             )
@@ -154,7 +158,7 @@ def parse_endpoint(text: str) -> Endpoint:
     if not sep:
         raise EndpointError(f"no port in {text!r} (expected tcp://HOST:PORT)")
     _check_host(host, text)
-    if not port_text.isdigit():
+    if not (port_text.isascii() and port_text.isdigit()):
         raise EndpointError(f"port {port_text!r} is not a number in {text!r}")
     port = int(port_text)
     if not 1 <= port <= 65535:

@@ -49,10 +49,17 @@ from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import should_bind
 from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
 
-__all__ = ["DEFAULT_BUFFER_STEPS", "Publisher"]
+__all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "Publisher"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
+
+MAX_HWM: Final = 2**31 - 1
+"""The largest high-water mark ZMQ takes (a C ``int``)."""
+
+MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
+"""The most batches a replay buffer may hold: the replay socket's high-water mark has room for
+two whole answers of them (``2 * (buffer_steps + 2)`` messages), within :data:`MAX_HWM`."""
 
 _MAX_SEQ: Final[int] = 2**64 - 2
 """Largest publishable seq; 2**64 - 1 would be indistinguishable from
@@ -106,12 +113,12 @@ class Publisher(ClosedOnExit):
         hwm: int = 100_000,
         first_seq: int = 0,
     ) -> None:
-        if buffer_steps < 0:
-            raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
+        if not 0 <= buffer_steps <= MAX_BUFFER_STEPS:
+            raise ValueError(f"buffer_steps must be in [0, {MAX_BUFFER_STEPS}], got {buffer_steps}")
         if buffer_bytes is not None and buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0, got {buffer_bytes}")
-        if hwm < 0:
-            raise ValueError(f"hwm must be >= 0, got {hwm}")
+        if not 0 <= hwm <= MAX_HWM:
+            raise ValueError(f"hwm must be in [0, {MAX_HWM}], got {hwm}")
         self._topic: Final[bytes] = topic.encode()
         self._buffer: Final = ReplayBuffer(buffer_steps, first_seq, buffer_bytes)
         self._closed = False

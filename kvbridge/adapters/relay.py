@@ -147,7 +147,7 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     if offset == 0:
         return endpoint
     head, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not endpoint.startswith("tcp://"):
+    if not sep or not (port.isascii() and port.isdigit()) or not endpoint.startswith("tcp://"):
         raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
     return f"{head}:{int(port) + offset}"
 

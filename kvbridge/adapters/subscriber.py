@@ -73,11 +73,13 @@ from kvbridge.adapters.source import Message, Source, StreamReset, connect_addre
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import SubscriberStats
 
-__all__ = ["Subscriber"]
+__all__ = ["MAX_FRAME_BYTES", "Subscriber"]
 
 DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 MAXMSGSIZE_MARGIN: Final = 64 * 1024
 """How far past ``max_frame_bytes`` a frame is still received (to be counted oversized)."""
+MAX_FRAME_BYTES: Final = 2**63 - 1 - MAXMSGSIZE_MARGIN
+"""The largest ``max_frame_bytes``: ZMQ's ``MAXMSGSIZE`` is a signed 64-bit integer."""
 DEFAULT_RCVHWM: Final = 10_000
 """Messages ZMQ queues per SUB or DEALER socket before it sheds (0 would be unbounded)."""
 DEFAULT_POLL_BUDGET: Final = 4096
@@ -138,6 +140,10 @@ class Subscriber(ClosedOnExit):
     ) -> None:
         if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
             raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
+        if not 1 <= max_frame_bytes <= MAX_FRAME_BYTES:
+            raise ValueError(
+                f"max_frame_bytes must be in [1, {MAX_FRAME_BYTES}], got {max_frame_bytes}"
+            )
         self.context = context or zmq.Context.instance()
         self.max_frame_bytes = max_frame_bytes
         self.rcvhwm = rcvhwm

@@ -35,7 +35,9 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command and return its exit status, every failure turned into one line on
     stderr and the status the module docstring gives it."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # said by the command's parser, so that the line names the command
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.log_format)
     run: Callable[[argparse.Namespace], int] = args.run
     prefix = f"kvbridge {args.command}: error:"

@@ -22,11 +22,12 @@ def _sample_capture() -> Path:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Decode and index a capture, then print each prompt's overlap per worker and tier."""
-    path = Path(args.capture) if args.capture else _sample_capture()
+    path = _sample_capture() if args.capture is None else Path(args.capture)
     reader = CaptureReader(path)
-    block_size = args.block_size or reader.meta.get("block_size")
+    block_size = args.block_size or reader.block_size
     if not block_size:
         raise SystemExit("kvbridge demo: error: the capture names no block size; pass --block-size")
+    prompts = reader.prompts
     index = TieredIndex(block_size)
     pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
     for record in reader:
@@ -37,14 +38,14 @@ def run_demo(args: argparse.Namespace) -> int:
         normalizer = worker.normalizer
         drops = ", ".join(f"{k}={v}" for k, v in sorted(normalizer.stats.items())) or "none"
         print(f"worker {worker_id}: not forwarded: {drops}")
-    prompts = reader.meta.get("prompts", [])
     print(
         f"\n{'prompt':<16}{'blocks':>7}  {'worker':>6}{'dp':>4}{'device':>8}{'host':>6}{'disk':>6}"
     )
     for prompt in prompts:
-        tokens = prompt["token_ids"]
-        overlaps = index.overlap(tokens)
-        name, blocks = prompt["name"], len(tokens) // block_size
+        overlaps = index.overlap(
+            prompt.token_ids, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt
+        )
+        name, blocks = prompt.name, len(prompt.token_ids) // block_size
         if not overlaps:
             print(f"{name:<16}{blocks:>7}  {'-':>6}")
         for (worker_id, dp_rank), overlap in overlaps.items():

@@ -130,10 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="worker id of the i-th --source (default: 0, 1, ...)",
     )
-    sources.add_argument("--source-topic", default="", help="subscribe to this topic prefix")
+    sources.add_argument(
+        "--source-topic",
+        default="",
+        type=arguments.topic,
+        help="subscribe to this topic prefix",
+    )
     sources.add_argument(
         "--max-frame-bytes",
-        type=arguments.positive_int,
+        type=arguments.frame_bytes,
         default=DEFAULT_MAX_FRAME_BYTES,
         help="refuse larger frames",
     )
@@ -162,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         assert logs or not live, "a live command logs"
         parents = [log_format, metrics, sources] if live else [log_format] if logs else []
         added = commands.add_parser(name, parents=parents, **options)
-        added.set_defaults(run=run)
+        added.set_defaults(run=run, command_parser=added)
         if not live:
             refuse(added, "--metrics-port", f"kvbridge {name} serves no metrics ({_LIVE})")
         if not logs:
@@ -175,9 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
         run_demo,
         help="index a capture (the bundled sample by default) and print per-tier overlap",
     )
-    demo.add_argument("capture", nargs="?", help="a .kvcap file (default: the bundled sample)")
     demo.add_argument(
-        "--block-size", type=arguments.positive_int, help="override the capture's block size"
+        "capture",
+        nargs="?",
+        type=arguments.path,
+        help="a .kvcap file (default: the bundled sample)",
+    )
+    demo.add_argument(
+        "--block-size", type=arguments.block_size, help="override the capture's block size"
     )
 
     relay = command(
@@ -201,11 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         help="replay ROUTER endpoint of the 1st source's canonical stream (always bound)",
     )
-    relay.add_argument("--block-size", type=arguments.positive_int, required=True)
-    relay.add_argument("--topic", default="", help="topic of the published stream")
+    relay.add_argument("--block-size", type=arguments.block_size, required=True)
+    relay.add_argument(
+        "--topic", default="", type=arguments.topic, help="topic of the published stream"
+    )
     relay.add_argument(
         "--buffer-steps",
-        type=arguments.positive_int,
+        type=arguments.buffer_steps,
         default=DEFAULT_BUFFER_STEPS,
         help="replay buffer, in batches",
     )
@@ -224,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     relay.add_argument(
         "--output-hwm",
-        type=arguments.positive_int,
+        type=arguments.hwm,
         help="messages each output queues for a consumer that does not read, past which ZMQ "
         "drops them for it (default: 16 MiB over --merge-bytes, between 1 and 10,000: 256 at "
         "the default merge, 10,000 with --merge-bytes 0)",
@@ -237,16 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
         live=True,
         help="record live streams into a .kvcap capture",
     )
-    record.add_argument("--out", required=True, metavar="FILE")
+    record.add_argument("--out", required=True, type=arguments.path, metavar="FILE")
     record.add_argument("--count", type=arguments.positive_int, help="stop after N messages")
     record.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
     record.add_argument(
         "--block-size",
-        type=arguments.positive_int,
+        type=arguments.block_size,
         help="the engines' block size, kept in the capture for demo and validate",
     )
     record.add_argument(
         "--prompts",
+        type=arguments.path,
         metavar="FILE",
         help="the prompts of the traffic, as token ids, kept in the capture's header: a JSON "
         "list of token-id lists or of objects with token_ids (and a name)",
@@ -260,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         "port + i, in the order the streams first appear in the capture. The log says which "
         "worker and block size each stream had, and the --source arguments that subscribe.",
     )
-    replay.add_argument("capture", metavar="FILE")
+    replay.add_argument("capture", type=arguments.path, metavar="FILE")
     replay.add_argument(
         "--publish",
         required=True,
@@ -284,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         live=True,
         help="live view of workers: tiers, rates, recovery (needs the watch extra)",
     )
-    watch.add_argument("--block-size", type=arguments.positive_int, required=True)
+    watch.add_argument("--block-size", type=arguments.block_size, required=True)
     watch.add_argument("--interval", type=arguments.positive_float, default=1.0, metavar="S")
     watch.add_argument("--duration", type=arguments.positive_float, help="stop after S seconds")
 
@@ -293,16 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
         run_validate,
         help="decode and normalize every frame of captures; exit 1 if any is invalid",
     )
-    validate.add_argument("captures", nargs="*", metavar="CAPTURE")
+    validate.add_argument("captures", nargs="*", type=arguments.path, metavar="CAPTURE")
     validate.add_argument("--format", choices=("text", "json"), default="text")
     validate.add_argument(
         "--strict",
         action="store_true",
         help="also fail on unknown fields and on blocks that would not be forwarded",
     )
-    validate.add_argument(
-        "--block-size", type=arguments.positive_int, help="the workers' block size"
-    )
+    validate.add_argument("--block-size", type=arguments.block_size, help="the workers' block size")
     validate.add_argument(
         "--allow-empty", action="store_true", help="accept a capture without frames"
     )
@@ -328,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument(
         "--prompts",
+        type=arguments.path,
         metavar="FILE",
         help="with --compare-dynamo: prompts to ask both services about instead of the "
         "captures' own (a JSON list as record --prompts takes, or an object with 'prompts')",

@@ -13,7 +13,8 @@ import argparse
 
 import structlog
 
-from kvbridge.adapters.capture import CaptureReader, capture_streams, replay_streams
+from kvbridge.adapters.capture import CaptureReader, capture_streams
+from kvbridge.adapters.capture_replay import replay_streams
 from kvbridge.adapters.endpoints import Endpoint, Mode
 from kvbridge.cli import live
 from kvbridge.cli.sockets import check_uses, engine_mode, offset
@@ -32,7 +33,7 @@ def run_replay(args: argparse.Namespace) -> int:
     mode = engine_mode(publish)
     uses = [offset("--publish", publish, i, "stream", mode) for i in range(len(streams))]
     check_uses(args, uses)
-    block_size = reader.meta.get("block_size")
+    block_size = reader.block_size
     plan = list(zip(uses, streams.items(), strict=True))
     subscribe: list[str] = []
     for use, (stream, records) in plan:

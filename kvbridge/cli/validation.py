@@ -32,7 +32,7 @@ from typing import Final
 import msgspec
 from msgspec.structs import replace
 
-from kvbridge.adapters.capture import CaptureReader, FrameRecord
+from kvbridge.adapters.capture import CaptureReader, FrameRecord, capture_name
 from kvbridge.adapters.dynamo_compare import DynamoComparison, first_block_size, render_comparison
 from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.normalizers import DropReason
@@ -125,6 +125,8 @@ def _check_frames(record: FrameRecord) -> tuple[str, str] | None:
         return "frame_count", f"expected 3 frames, got {len(record.frames)}"
     if len(record.frames[1]) != 8:
         return "bad_seq", f"sequence frame has {len(record.frames[1])} bytes, expected 8"
+    if record.seq is None:
+        return "bad_seq", "sequence frame is 2**64 - 1, the replay protocol's end marker"
     return None
 
 
@@ -151,9 +153,9 @@ def validate_captures(
     names = []
     for path in paths:
         reader = CaptureReader(path)
-        name = str(path)
+        name = capture_name(path)
         names.append(name)
-        size = block_size or reader.meta.get("block_size")
+        size = block_size or reader.block_size
         streams: dict[int, _Stream] = {}
         first_frame = frames
         for index, record in enumerate(reader):

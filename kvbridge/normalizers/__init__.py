@@ -7,10 +7,16 @@ from kvbridge.normalizers.hashing import (
     tokens_hashes,
 )
 from kvbridge.normalizers.media import tier_for_medium
-from kvbridge.normalizers.normalizer import MAIN_ATTENTION_KINDS, DropReason, Normalizer
+from kvbridge.normalizers.normalizer import (
+    MAIN_ATTENTION_KINDS,
+    MAX_BLOCK_SIZE,
+    DropReason,
+    Normalizer,
+)
 
 __all__ = [
     "MAIN_ATTENTION_KINDS",
+    "MAX_BLOCK_SIZE",
     "DropReason",
     "Normalizer",
     "block_seed",

@@ -27,7 +27,7 @@ from kvbridge.schemas.errors import SchemaError
 from kvbridge.schemas.tiers import Tier, TieredEvent
 from kvbridge.schemas.vllm import LAYOUTS, VllmBatch, encode_batch
 
-__all__ = ["MAIN_ATTENTION_KINDS", "DropReason", "Normalizer"]
+__all__ = ["MAIN_ATTENTION_KINDS", "MAX_BLOCK_SIZE", "DropReason", "Normalizer"]
 
 MAIN_ATTENTION_KINDS: Final = frozenset(("full_attention", "mla_attention", "sink_full_attention"))
 """The KV-cache group kinds a prefix index can use; Dynamo indexes exactly these."""
@@ -36,6 +36,9 @@ _TIERS: Final = tuple(Tier)
 _TIER_BY_VALUE: Final = {tier.value: tier for tier in Tier}
 _NEWEST_LAYOUT: Final = LAYOUTS[-1]
 _U64_MASK: Final = 0xFFFF_FFFF_FFFF_FFFF
+
+MAX_BLOCK_SIZE: Final = 0xFFFF_FFFF
+"""The largest block size a worker can have: Dynamo keeps it in 32 bits."""
 
 
 class DropReason(StrEnum):
@@ -91,6 +94,8 @@ class Normalizer:
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got {block_size}")
         if not 0 <= worker_id <= _U64_MASK:
             raise ValueError(f"worker_id must be a u64, got {worker_id}")
         if retain_evicted < 0:

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from kvbridge.adapters.capture import Prompt, in_receipt_order
+from kvbridge.adapters.capture import Prompt, capture_name
+from kvbridge.adapters.capture_replay import in_receipt_order
 from kvbridge.adapters.dynamo_compare.ledger import Key, Ledger
 from kvbridge.adapters.dynamo_compare.recorded import Stream, decoded, load_streams
 from kvbridge.adapters.dynamo_compare.report import (
@@ -84,7 +85,7 @@ def _summary(
         causes.update(entry.missing)
         causes.update(entry.stale)
     return DynamoComparison(
-        captures=names,
+        captures=[capture_name(name) for name in names],
         differs=bool(missing or stale or any(p.differs for p in overlaps)),
         missing=missing,
         stale=stale,

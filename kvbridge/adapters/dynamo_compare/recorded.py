@@ -10,7 +10,14 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from kvbridge.adapters.capture import CaptureReader, FrameRecord, Prompt, capture_streams
+from kvbridge.adapters.capture import (
+    CaptureReader,
+    FrameRecord,
+    Prompt,
+    capture_name,
+    capture_streams,
+)
+from kvbridge.normalizers import MAX_BLOCK_SIZE
 from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
 __all__ = ["Stream", "decoded", "first_block_size", "load_streams"]
@@ -26,10 +33,11 @@ class Stream(msgspec.Struct):
 
 
 def first_block_size(batch: VllmBatch) -> int | None:
-    """The block size of the batch's first store with tokens (placeholders have none)."""
+    """The block size of the batch's first store with tokens (placeholders have none), if it is
+    one a worker can have (up to :data:`~kvbridge.normalizers.MAX_BLOCK_SIZE`)."""
     for event in batch.events:
         if isinstance(event, BlockStored) and event.token_ids and event.block_size:
-            return event.block_size
+            return event.block_size if event.block_size <= MAX_BLOCK_SIZE else None
     return None
 
 
@@ -57,7 +65,7 @@ def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]
     its first store with tokens), and the prompts its header carries."""
     reader = CaptureReader(path)
     records = list(reader)
-    size = block_size or reader.meta.get("block_size") or _records_block_size(records) or 0
+    size = block_size or reader.block_size or _records_block_size(records) or 0
     if records and not size:
         raise ValueError(f"{path}: no store with tokens tells the block size: give --block-size")
     streams = [
@@ -113,9 +121,9 @@ def load_streams(
         captured, header_prompts = _read(name, block_size)
         streams += captured
         size = captured[0].block_size if captured else 0
-        asked += [(name, size, prompt) for prompt in header_prompts]
+        asked += [(capture_name(name), size, prompt) for prompt in header_prompts]
     _check_workers(streams)
     if prompts is not None:
         size = streams[0].block_size if streams else 0
-        asked = [(", ".join(names), size, prompt) for prompt in prompts]
+        asked = [(", ".join(map(capture_name, names)), size, prompt) for prompt in prompts]
     return streams, asked
