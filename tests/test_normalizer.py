@@ -724,9 +724,14 @@ def test_two_dp_ranks_are_independent() -> None:
 
 
 def test_constructor_validation() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^block_size must be positive, got 0$"):
         Normalizer(WORKER, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=r"^block_size must be at most 4294967295, got 4294967296$"
+    ):
+        Normalizer(WORKER, 2**32)  # Dynamo keeps a block size in 32 bits
+    assert Normalizer(WORKER, 2**32 - 1).block_size == 2**32 - 1
+    with pytest.raises(ValueError, match=r"^worker_id must be a u64, got -1$"):
         Normalizer(-1, BS)
 
 

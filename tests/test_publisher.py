@@ -26,7 +26,7 @@ from support.memory import rss_mb
 from support.selection_harness import SelectionHarness, wait_connected
 
 from kvbridge.adapters.endpoints import should_bind
-from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.publisher import MAX_BUFFER_STEPS, Publisher
 from kvbridge.adapters.replay_protocol import END_SEQ
 from kvbridge.adapters.replay_server import AnswerCut
 
@@ -260,6 +260,13 @@ def test_connect_mode_when_subscriber_binds(ctx: zmq.Context[zmq.Socket[bytes]])
 def test_argument_validation() -> None:
     with pytest.raises(ValueError, match="buffer_steps"):
         Publisher(LOCAL, bind=True, buffer_steps=-1)
+    # Past these ZMQ's int high-water marks would overflow.
+    with pytest.raises(
+        ValueError, match=r"^buffer_steps must be in \[0, 1073741821\], got 1073741822$"
+    ):
+        Publisher(LOCAL, bind=True, buffer_steps=MAX_BUFFER_STEPS + 1)
+    with pytest.raises(ValueError, match=r"^hwm must be in \[0, 2147483647\], got 2147483648$"):
+        Publisher(LOCAL, bind=True, hwm=2**31)
     pub = Publisher(LOCAL, bind=True)
     with pytest.raises(ValueError, match="seq"):
         pub.publish(b"x", seq=-1)
@@ -578,7 +585,7 @@ def ask_at_exit():  # registered before pyzmq's exit handler, so it runs after i
 
 atexit.register(ask_at_exit)
 import zmq
-from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.publisher import MAX_BUFFER_STEPS, Publisher
 
 ctx = zmq.Context()
 pub = Publisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", context=ctx, bind=True)

@@ -35,7 +35,7 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
-from kvbridge.adapters.subscriber import Subscriber
+from kvbridge.adapters.subscriber import MAX_FRAME_BYTES, Subscriber
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes
@@ -523,3 +523,15 @@ def test_wildcard_host_makes_the_subscriber_connect_to_localhost(
         items = receive(subscriber, 1)
     assert shape(items) == [(0, False)]
     assert Counter(type(item) for item in items) == {Message: 1}
+
+
+@pytest.mark.parametrize("max_frame_bytes", [0, MAX_FRAME_BYTES + 1])
+def test_max_frame_bytes_must_fit_zmq(
+    ctx: zmq.Context[zmq.Socket[bytes]], max_frame_bytes: int
+) -> None:
+    """MAXMSGSIZE, max_frame_bytes plus a margin, is a signed 64-bit option."""
+    with pytest.raises(ValueError) as raised:
+        Subscriber([], context=ctx, max_frame_bytes=max_frame_bytes)
+    assert str(raised.value) == (
+        f"max_frame_bytes must be in [1, {2**63 - 1 - 64 * 1024}], got {max_frame_bytes}"
+    )
