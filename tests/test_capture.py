@@ -30,6 +30,7 @@ from kvbridge.adapters.capture import (
     CaptureWriter,
     FrameRecord,
     capture_name,
+    read_prompts,
 )
 from kvbridge.adapters.capture_replay import replay_streams
 from kvbridge.adapters.ports import free_port_range
@@ -216,9 +217,8 @@ HEADER = {"format": "kvcap", "version": 1, "created_ns": 0}
 @pytest.mark.parametrize("value", ["4", 4.0, True, 0, -4, 2**32, [4]])
 def test_a_header_block_size_that_is_no_block_size(tmp_path: Path, value: object) -> None:
     path = header_capture(tmp_path / "x.kvcap", {**HEADER, "meta": {"block_size": value}}, [])
-    reader = CaptureReader(path)  # the rest of the header is readable
     with pytest.raises(CaptureError) as raised:
-        _ = reader.block_size
+        CaptureReader(path)
     assert str(raised.value) == (
         f"{path}: header block_size must be an integer in [1, 4294967295], got {value!r}"
     )
@@ -271,6 +271,87 @@ def test_a_fifo_is_refused_unread(tmp_path: Path) -> None:
     with pytest.raises(CaptureError) as raised:
         CaptureReader(fifo)
     assert str(raised.value) == f"{fifo}: not a regular file"
+
+
+def test_a_header_nested_too_deeply(tmp_path: Path) -> None:
+    deep = b"\x91" * 100_000 + b"\xc0"  # msgspec's decoder recurses once per level
+    header = b"\x84" + b"".join(
+        msgspec.msgpack.encode(key) + value
+        for key, value in [
+            ("format", msgspec.msgpack.encode("kvcap")),
+            ("version", b"\x01"),
+            ("created_ns", b"\x00"),
+            ("meta", b"\x81" + msgspec.msgpack.encode("deep") + deep),
+        ]
+    )
+    path = tmp_path / "deep.kvcap"
+    path.write_bytes(MAGIC + struct.pack(">I", len(header)) + header)
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(path)
+    assert str(raised.value) == f"{path}: unreadable header: nested too deeply"
+
+
+def test_prompts_files_that_are_not_prompts(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(ValueError) as raised:
+        read_prompts(deep)
+    assert str(raised.value) == f"{deep}: not JSON this reader takes: nested too deeply"
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError) as raised:
+        read_prompts(fifo)  # read, it would wait for a writer forever
+    assert str(raised.value) == f"{fifo}: not a regular file"
+
+
+def test_a_read_error_names_the_file() -> None:
+    """Reading /proc/self/mem at offset 0 (unmapped) fails with EIO, and the OS names no file."""
+    with pytest.raises(OSError) as raised:
+        CaptureReader("/proc/self/mem")
+    assert (raised.value.filename, raised.value.strerror) == (
+        "/proc/self/mem",
+        "Input/output error",
+    )
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+    reason="with overcommit always on, the allocation succeeds and the read takes hours",
+)
+def test_a_capture_larger_than_memory(tmp_path: Path) -> None:
+    huge = tmp_path / "huge.kvcap"
+    with huge.open("wb") as file:
+        file.write(MAGIC)
+        file.truncate(2**40)  # sparse: a TiB that takes no disk
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(huge)
+    assert str(raised.value) == f"{huge}: too large to read into memory ({2**40} bytes)"
+
+
+def test_a_fifo_no_process_reads_is_refused_at_once(tmp_path: Path) -> None:
+    """Waiting for a reader to open it could not be ended by a signal."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as raised:
+        CaptureWriter(fifo)
+    assert (raised.value.filename, raised.value.strerror) == (
+        str(fifo),
+        "a FIFO that no process reads",
+    )
+
+
+def test_a_fifo_with_a_reader_is_written(tmp_path: Path) -> None:
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with CaptureWriter(fifo) as writer:
+            writer.write([b"p"], stream="s", received_ns=T0)
+        data = os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+    assert data.startswith(MAGIC)
+    assert data.endswith(msgspec.msgpack.encode(FrameRecord(T0, "s", 0, [b"p"])))
 
 
 def test_the_end_marker_is_no_seq() -> None:

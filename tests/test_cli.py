@@ -430,6 +430,11 @@ BAD_ARGUMENTS = [
         ["demo", "--bogus"],
         "kvbridge demo: error: unrecognized arguments: --bogus",
     ),
+    (
+        ["validate", "--compare-dynamo", "--block-size", "65537", str(SAMPLE)],
+        "kvbridge validate: error: --compare-dynamo takes a block size of at most 65536, got "
+        "--block-size 65537",
+    ),
 ]
 
 
@@ -553,8 +558,14 @@ RECORD = [1_700_000_000_000_000_000, "tcp://127.0.0.1:5557", 1, [b"", bytes(8), 
             [[*RECORD[:3], []]],
             "record 0: Expected `array` of length >= 1 - at `$[3]`",
         ),
+        (
+            "validate",
+            {"prompts": [[2**32]]},
+            [],
+            "header prompts: prompt 0: Expected `int` <= 4294967295 - at `$.token_ids[0]`",
+        ),
     ],
-    ids=["demo block size", "validate block size", "prompts", "worker id", "no frames"],
+    ids=["demo block size", "validate block size", "prompts", "worker id", "no frames", "token id"],
 )
 def test_a_damaged_capture_is_invalid_data_exit_1(
     tmp_path: Path, command: str, meta: dict[str, object], records: list[object], error: str
@@ -937,3 +948,12 @@ def test_replay_waiting_for_subscribers_stops_within_a_second_of_a_signal(signum
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_compare_of_a_capture_whose_blocks_are_too_large_is_exit_1(tmp_path: Path) -> None:
+    path = header_capture(tmp_path / "large.kvcap", {"block_size": 65_537}, [RECORD])
+    result = kvbridge("validate", "--compare-dynamo", str(path))
+    assert result.stderr.splitlines()[-1] == (
+        f"kvbridge validate: error: {path}: block size 65537 is above the 65536 a comparison takes"
+    )
+    assert result.returncode == 1

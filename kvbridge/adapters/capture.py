@@ -26,6 +26,7 @@ Frames are stored exactly as received, so a malformed message is captured as it 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import struct
@@ -118,6 +119,33 @@ def prompts_of(items: Any) -> list[Prompt]:
     return prompts
 
 
+def _read_whole(path: Path, invalid: type[ValueError]) -> bytes:
+    """The whole of a regular file, every error naming it.
+
+    Raises:
+        OSError: the file cannot be read (missing, a directory, no permission, an I/O error).
+        invalid: it is not a regular file (a FIFO or a device would be read until it ends, which
+            it need not ever do), or it is larger than the memory this process can have.
+    """
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode) and not stat.S_ISDIR(status.st_mode):
+        raise invalid(f"{path}: not a regular file")
+    try:
+        return path.read_bytes()
+    except MemoryError:
+        raise invalid(f"{path}: too large to read into memory ({status.st_size} bytes)") from None
+    except OSError as error:
+        raise _named(error, path) from error
+
+
+def _named(error: OSError, path: Path) -> OSError:
+    """``error``, naming ``path`` if it names no file (the OS names none for a failed read or
+    write)."""
+    if error.filename is not None or error.errno is None:
+        return error
+    return OSError(error.errno, error.strerror, str(path))
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Prompts from a JSON file: a list (see :func:`prompts_of`), or an object whose
     ``prompts`` is one, such as a golden capture's manifest.
@@ -127,9 +155,11 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         ValueError: it is not JSON of that shape.
     """
     try:
-        data = msgspec.json.decode(Path(path).read_bytes())
+        data = msgspec.json.decode(_read_whole(Path(path), ValueError))
     except msgspec.DecodeError as error:
         raise ValueError(f"{path}: not JSON: {error}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not JSON this reader takes: nested too deeply") from None
     items = data.get("prompts") if isinstance(data, dict) else data
     try:
         return prompts_of(items)
@@ -153,8 +183,22 @@ class CaptureWriter(ClosedOnExit):
     """Appends frame records to a new capture file."""
 
     def __init__(self, path: str | Path, *, meta: dict[str, Any] | None = None) -> None:
+        """Creates (or truncates) the file and writes the header.
+
+        Raises:
+            OSError: the file cannot be written, named; a FIFO that no process reads is one
+                (``ENXIO``): waiting for a reader could not be ended by a signal.
+        """
         self.path = Path(path)
-        self._file: IO[bytes] = self.path.open("wb")
+        # O_NONBLOCK only changes how a FIFO opens: at once, or ENXIO without a reader.
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o666)
+        except OSError as error:
+            if error.errno == errno.ENXIO:
+                raise OSError(error.errno, "a FIFO that no process reads", str(path)) from None
+            raise
+        os.set_blocking(fd, True)
+        self._file: IO[bytes] = os.fdopen(fd, "wb")
         with self._named_errors():
             self._file.write(MAGIC)
         self._write(_encoder.encode(_Header("kvcap", VERSION, time.time_ns(), meta or {})))
@@ -167,13 +211,11 @@ class CaptureWriter(ClosedOnExit):
 
     @contextlib.contextmanager
     def _named_errors(self) -> Iterator[None]:
-        """A write's error names the file (the OS names none for a failed write)."""
+        """A write's error names the file."""
         try:
             yield
         except OSError as error:
-            if error.filename is not None or error.errno is None:
-                raise
-            raise OSError(error.errno, error.strerror, str(self.path)) from error
+            raise _named(error, self.path) from error
 
     def write(
         self,
@@ -204,13 +246,11 @@ class CaptureReader:
 
         Raises:
             OSError: the file cannot be read (missing, a directory, no permission).
-            CaptureError: it is not a regular file, or not a capture this version reads.
+            CaptureError: it is not a regular file, or not a capture this version reads, or its
+                header's ``block_size`` or ``prompts`` is not one.
         """
         self.path = Path(path)
-        # A FIFO or a device would be read until it ends, which it need not ever do.
-        if not stat.S_ISREG(mode := self.path.stat().st_mode) and not stat.S_ISDIR(mode):
-            raise CaptureError(f"{self.path}: not a regular file")
-        self._data = self.path.read_bytes()
+        self._data = _read_whole(self.path, CaptureError)
         if not self._data.startswith(MAGIC):
             raise CaptureError(f"{self.path}: not a kvcap file (bad magic)")
         records = self._bodies()
@@ -222,6 +262,8 @@ class CaptureReader:
             ) from None
         except msgspec.DecodeError as error:
             raise CaptureError(f"{self.path}: unreadable header: {error}") from error
+        except RecursionError:
+            raise CaptureError(f"{self.path}: unreadable header: nested too deeply") from None
         if header.format != "kvcap":
             raise CaptureError(
                 f"{self.path}: not a kvcap capture (its header's format is {header.format!r})"
@@ -233,14 +275,12 @@ class CaptureReader:
             )
         self.created_ns = header.created_ns
         self.meta = header.meta
+        self.block_size = self._block_size()
+        """The block size the header carries (``meta["block_size"]``), ``None`` if none."""
+        self.prompts = self._prompts()
+        """The prompts the header carries (``meta["prompts"]``), none if it carries none."""
 
-    @property
-    def block_size(self) -> int | None:
-        """The block size the header carries (``meta["block_size"]``), ``None`` if none.
-
-        Raises:
-            CaptureError: the header's ``block_size`` is not a block size.
-        """
+    def _block_size(self) -> int | None:
         value = self.meta.get("block_size")
         if value is None:
             return None
@@ -251,13 +291,7 @@ class CaptureReader:
             )
         return value
 
-    @property
-    def prompts(self) -> list[Prompt]:
-        """The prompts the header carries (``meta["prompts"]``), none if it carries none.
-
-        Raises:
-            CaptureError: the header's ``prompts`` is not a list of prompts.
-        """
+    def _prompts(self) -> list[Prompt]:
         try:
             return prompts_of(self.meta.get("prompts", []))
         except ValueError as error:
@@ -284,6 +318,8 @@ class CaptureReader:
                 yield _record_decoder.decode(body)
             except msgspec.DecodeError as error:
                 raise CaptureError(f"{self.path}: record {index}: {error}") from error
+            except RecursionError:
+                raise CaptureError(f"{self.path}: record {index}: nested too deeply") from None
 
 
 def capture_name(path: str | Path) -> str:

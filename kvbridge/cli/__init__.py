@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as error:
         print(f"{prefix} {error}", file=sys.stderr)
         return 1
+    except MemoryError:
+        print(f"{prefix} out of memory", file=sys.stderr)
+        return 1
     except SystemExit as exit_:
         if isinstance(exit_.code, str):  # a usage error raised with its message
             print(exit_.code, file=sys.stderr)

@@ -9,7 +9,7 @@ import argparse
 import msgspec
 
 from kvbridge.adapters.capture import read_prompts
-from kvbridge.adapters.dynamo_compare import compare_captures
+from kvbridge.adapters.dynamo_compare import MAX_COMPARED_BLOCK_SIZE, compare_captures
 from kvbridge.cli.output import write
 from kvbridge.cli.usage import UsageError
 from kvbridge.cli.validation import Report, render_text, validate_captures
@@ -30,6 +30,11 @@ def run_validate(args: argparse.Namespace) -> int:
     for flag, given in (("--prompts", args.prompts), ("--fail-on-dynamo-diff", args.fail_on_diff)):
         if given and not args.compare_dynamo:
             raise UsageError(f"{flag} goes with --compare-dynamo")
+    if args.compare_dynamo and (args.block_size or 0) > MAX_COMPARED_BLOCK_SIZE:
+        raise UsageError(
+            f"--compare-dynamo takes a block size of at most {MAX_COMPARED_BLOCK_SIZE}, "
+            f"got --block-size {args.block_size}"
+        )
     prompts = None if args.prompts is None else read_prompts(args.prompts)
     report = validate_captures(
         args.captures,

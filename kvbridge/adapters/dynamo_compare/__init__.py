@@ -26,10 +26,10 @@ causes, :mod:`.compare` replays and diffs, :mod:`.report` holds the report and i
 
 from kvbridge.adapters.dynamo_compare import report
 from kvbridge.adapters.dynamo_compare.compare import compare_captures
-from kvbridge.adapters.dynamo_compare.recorded import first_block_size
+from kvbridge.adapters.dynamo_compare.recorded import MAX_COMPARED_BLOCK_SIZE, first_block_size
 
 # The report's names, as its own __all__ lists them.
 from kvbridge.adapters.dynamo_compare.report import *  # noqa: F403
 
-__all__ = ["compare_captures", "first_block_size"]
+__all__ = ["MAX_COMPARED_BLOCK_SIZE", "compare_captures", "first_block_size"]
 __all__ += report.__all__

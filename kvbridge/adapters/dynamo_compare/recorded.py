@@ -7,10 +7,12 @@ its block size (given, in its header, or of its first store with tokens).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Final
 
 import msgspec
 
 from kvbridge.adapters.capture import (
+    CaptureError,
     CaptureReader,
     FrameRecord,
     Prompt,
@@ -20,7 +22,7 @@ from kvbridge.adapters.capture import (
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
-__all__ = ["Stream", "decoded", "first_block_size", "load_streams"]
+__all__ = ["MAX_COMPARED_BLOCK_SIZE", "Stream", "decoded", "first_block_size", "load_streams"]
 
 
 class Stream(msgspec.Struct):
@@ -60,6 +62,11 @@ def _records_block_size(records: Iterable[FrameRecord]) -> int | None:
     return None
 
 
+MAX_COMPARED_BLOCK_SIZE: Final = 65_536
+"""The largest block size a comparison takes: it sends blocks of its own (sentinels, a block of
+tokens each) to both services, and Dynamo hashes and indexes them; no engine's blocks come near."""
+
+
 def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]]:
     """A capture's streams, each with the capture's block size (given, in its header, or of
     its first store with tokens), and the prompts its header carries."""
@@ -68,6 +75,10 @@ def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]
     size = block_size or reader.block_size or _records_block_size(records) or 0
     if records and not size:
         raise ValueError(f"{path}: no store with tokens tells the block size: give --block-size")
+    if size > MAX_COMPARED_BLOCK_SIZE:
+        raise CaptureError(
+            f"{path}: block size {size} is above the {MAX_COMPARED_BLOCK_SIZE} a comparison takes"
+        )
     streams = [
         Stream(path, stream[0].worker_id, size, _engine_order(stream))
         for stream in capture_streams(records).values()
