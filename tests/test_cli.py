@@ -957,3 +957,15 @@ def test_compare_of_a_capture_whose_blocks_are_too_large_is_exit_1(tmp_path: Pat
         f"kvbridge validate: error: {path}: block size 65537 is above the 65536 a comparison takes"
     )
     assert result.returncode == 1
+
+
+def test_compare_of_a_stream_with_two_workers_is_exit_1(tmp_path: Path) -> None:
+    """A stream is one worker's: with two, the comparison could not tell whose blocks are."""
+    other = [RECORD[0], RECORD[1], 2, RECORD[3]]
+    path = header_capture(tmp_path / "shared.kvcap", {"block_size": 4}, [RECORD, other])
+    result = kvbridge("validate", "--compare-dynamo", str(path))
+    assert result.stderr.splitlines()[-1] == (
+        f"kvbridge validate: error: {path}: stream tcp://127.0.0.1:5557 names workers 1, 2: a "
+        "stream is one worker's, so a comparison cannot tell whose its blocks are"
+    )
+    assert result.returncode == 1

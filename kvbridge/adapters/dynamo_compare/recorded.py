@@ -79,10 +79,15 @@ def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]
         raise CaptureError(
             f"{path}: block size {size} is above the {MAX_COMPARED_BLOCK_SIZE} a comparison takes"
         )
-    streams = [
-        Stream(path, stream[0].worker_id, size, _engine_order(stream))
-        for stream in capture_streams(records).values()
-    ]
+    streams = []
+    for endpoint, stream in capture_streams(records).items():
+        workers = sorted({record.worker_id for record in stream})
+        if len(workers) > 1:
+            raise CaptureError(
+                f"{path}: stream {endpoint} names workers {', '.join(map(str, workers))}: a "
+                "stream is one worker's, so a comparison cannot tell whose its blocks are"
+            )
+        streams.append(Stream(path, workers[0], size, _engine_order(stream)))
     return streams, reader.prompts
 
 

@@ -138,7 +138,12 @@ class Side:
                 if (worker_id, rank) in self.overlap(prompt):
                     del waiting[index]
             if waiting and time.monotonic() > deadline:
-                raise RuntimeError(f"Dynamo did not apply the streams in {SYNC_TIMEOUT_S:g} s")
+                late = ", ".join(
+                    f"worker {worker_id} dp {rank}" for worker_id, rank, _ in waiting.values()
+                )
+                raise RuntimeError(
+                    f"Dynamo did not apply the streams in {SYNC_TIMEOUT_S:g} s (not seen: {late})"
+                )
             time.sleep(0.01)
 
     def overlap(self, prompt: Prompt) -> dict[tuple[int, int], TierCounts]:
