@@ -214,12 +214,17 @@ def header_capture(path: Path, header: dict[str, object], records: list[object])
 HEADER = {"format": "kvcap", "version": 1, "created_ns": 0}
 
 
+def reading_error(path: Path) -> str:
+    """The error opening ``path`` as a capture raises."""
+    with pytest.raises(CaptureError) as raised:
+        CaptureReader(path)
+    return str(raised.value)
+
+
 @pytest.mark.parametrize("value", ["4", 4.0, True, 0, -4, 2**32, [4]])
 def test_a_header_block_size_that_is_no_block_size(tmp_path: Path, value: object) -> None:
     path = header_capture(tmp_path / "x.kvcap", {**HEADER, "meta": {"block_size": value}}, [])
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(path)
-    assert str(raised.value) == (
+    assert reading_error(path) == (
         f"{path}: header block_size must be an integer in [1, 4294967295], got {value!r}"
     )
 
@@ -248,29 +253,24 @@ def test_a_record_no_message_could_make(tmp_path: Path, record: list[object], er
 
 def test_headers_that_are_not_this_format(tmp_path: Path) -> None:
     other = header_capture(tmp_path / "other.kvcap", {**HEADER, "format": "pcap"}, [])
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(other)
-    assert str(raised.value) == f"{other}: not a kvcap capture (its header's format is 'pcap')"
+    assert reading_error(other) == f"{other}: not a kvcap capture (its header's format is 'pcap')"
     future = header_capture(tmp_path / "future.kvcap", {**HEADER, "version": 2}, [])
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(future)
-    assert str(raised.value) == (
+    assert reading_error(future) == (
         f"{future}: unsupported capture version 2 (this kvbridge reads version 1)"
     )
     magic_only = tmp_path / "magic.kvcap"
     magic_only.write_bytes(MAGIC)
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(magic_only)
-    assert str(raised.value) == f"{magic_only}: unreadable header: the file ends after its magic"
+    assert (
+        reading_error(magic_only)
+        == f"{magic_only}: unreadable header: the file ends after its magic"
+    )
 
 
 def test_a_fifo_is_refused_unread(tmp_path: Path) -> None:
     """A FIFO's reader would wait for a writer forever."""
     fifo = tmp_path / "fifo.kvcap"
     os.mkfifo(fifo)
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(fifo)
-    assert str(raised.value) == f"{fifo}: not a regular file"
+    assert reading_error(fifo) == f"{fifo}: not a regular file"
 
 
 def test_a_header_nested_too_deeply(tmp_path: Path) -> None:
@@ -286,9 +286,7 @@ def test_a_header_nested_too_deeply(tmp_path: Path) -> None:
     )
     path = tmp_path / "deep.kvcap"
     path.write_bytes(MAGIC + struct.pack(">I", len(header)) + header)
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(path)
-    assert str(raised.value) == f"{path}: unreadable header: nested too deeply"
+    assert reading_error(path) == f"{path}: unreadable header: nested too deeply"
 
 
 def test_prompts_files_that_are_not_prompts(tmp_path: Path) -> None:
@@ -323,9 +321,7 @@ def test_a_capture_larger_than_memory(tmp_path: Path) -> None:
     with huge.open("wb") as file:
         file.write(MAGIC)
         file.truncate(2**40)  # sparse: a TiB that takes no disk
-    with pytest.raises(CaptureError) as raised:
-        CaptureReader(huge)
-    assert str(raised.value) == f"{huge}: too large to read into memory ({2**40} bytes)"
+    assert reading_error(huge) == f"{huge}: too large to read into memory ({2**40} bytes)"
 
 
 def test_a_fifo_no_process_reads_is_refused_at_once(tmp_path: Path) -> None:
