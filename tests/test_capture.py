@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import structlog
 import zmq
+from support.raw_capture import HEADER, raw_capture
 from support.relay_process import start_kvbridge
 
 from kvbridge.adapters.capture import (
@@ -204,16 +205,6 @@ def test_undecodable_record_and_unknown_version(tmp_path: Path) -> None:
     assert issubclass(CaptureError, ValueError)
 
 
-def header_capture(path: Path, header: dict[str, object], records: list[object]) -> Path:
-    """A capture whose header and records are written as given, unchecked."""
-    bodies = [msgspec.msgpack.encode(header), *map(msgspec.msgpack.encode, records)]
-    path.write_bytes(MAGIC + b"".join(struct.pack(">I", len(body)) + body for body in bodies))
-    return path
-
-
-HEADER = {"format": "kvcap", "version": 1, "created_ns": 0}
-
-
 def reading_error(path: Path) -> str:
     """The error opening ``path`` as a capture raises."""
     with pytest.raises(CaptureError) as raised:
@@ -223,16 +214,16 @@ def reading_error(path: Path) -> str:
 
 @pytest.mark.parametrize("value", ["4", 4.0, True, 0, -4, 2**32, [4]])
 def test_a_header_block_size_that_is_no_block_size(tmp_path: Path, value: object) -> None:
-    path = header_capture(tmp_path / "x.kvcap", {**HEADER, "meta": {"block_size": value}}, [])
+    path = raw_capture(tmp_path / "x.kvcap", {**HEADER, "meta": {"block_size": value}}, [])
     assert reading_error(path) == (
         f"{path}: header block_size must be an integer in [1, 4294967295], got {value!r}"
     )
 
 
 def test_header_block_size(tmp_path: Path) -> None:
-    sized = header_capture(tmp_path / "a.kvcap", {**HEADER, "meta": {"block_size": 2**32 - 1}}, [])
+    sized = raw_capture(tmp_path / "a.kvcap", {**HEADER, "meta": {"block_size": 2**32 - 1}}, [])
     assert CaptureReader(sized).block_size == 2**32 - 1
-    assert CaptureReader(header_capture(tmp_path / "b.kvcap", HEADER, [])).block_size is None
+    assert CaptureReader(raw_capture(tmp_path / "b.kvcap", HEADER, [])).block_size is None
 
 
 @pytest.mark.parametrize(
@@ -244,7 +235,7 @@ def test_header_block_size(tmp_path: Path) -> None:
     ids=["negative worker id", "no frames"],
 )
 def test_a_record_no_message_could_make(tmp_path: Path, record: list[object], error: str) -> None:
-    path = header_capture(tmp_path / "x.kvcap", HEADER, [[T0, "s", 1, [b"f"]], record])
+    path = raw_capture(tmp_path / "x.kvcap", HEADER, [[T0, "s", 1, [b"f"]], record])
     reader = CaptureReader(path)
     with pytest.raises(CaptureError) as raised:
         list(reader)
@@ -252,9 +243,9 @@ def test_a_record_no_message_could_make(tmp_path: Path, record: list[object], er
 
 
 def test_headers_that_are_not_this_format(tmp_path: Path) -> None:
-    other = header_capture(tmp_path / "other.kvcap", {**HEADER, "format": "pcap"}, [])
+    other = raw_capture(tmp_path / "other.kvcap", {**HEADER, "format": "pcap"}, [])
     assert reading_error(other) == f"{other}: not a kvcap capture (its header's format is 'pcap')"
-    future = header_capture(tmp_path / "future.kvcap", {**HEADER, "version": 2}, [])
+    future = raw_capture(tmp_path / "future.kvcap", {**HEADER, "version": 2}, [])
     assert reading_error(future) == (
         f"{future}: unsupported capture version 2 (this kvbridge reads version 1)"
     )

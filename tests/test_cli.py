@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from support.raw_capture import HEADER, raw_capture
 from support.relay_process import RelayProcess, start_kvbridge
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
@@ -516,10 +517,7 @@ def test_not_a_capture_is_invalid_data_exit_1(tmp_path: Path, command: str) -> N
 
 def header_capture(path: Path, meta: dict[str, object], records: list[object]) -> Path:
     """A capture whose header meta and records are written as given, unchecked."""
-    header = {"format": "kvcap", "version": 1, "created_ns": 0, "meta": meta}
-    bodies = [msgspec.msgpack.encode(header), *map(msgspec.msgpack.encode, records)]
-    path.write_bytes(b"KVCAP\x01\n" + b"".join(len(b).to_bytes(4, "big") + b for b in bodies))
-    return path
+    return raw_capture(path, {**HEADER, "meta": meta}, records)
 
 
 RECORD = [1_700_000_000_000_000_000, "tcp://127.0.0.1:5557", 1, [b"", bytes(8), b"\x93"]]
