@@ -957,6 +957,33 @@ def test_compare_of_a_capture_whose_blocks_are_too_large_is_exit_1(tmp_path: Pat
     assert result.returncode == 1
 
 
+def test_compare_of_a_stream_with_no_seq_left_for_its_sentinels_is_exit_1(
+    tmp_path: Path,
+) -> None:
+    """A stream of two records needs three seqs above its largest: one for each sentinel that
+    may come before a record, and the last one's. Above, it is refused before Dynamo starts."""
+
+    def compare(last: int) -> subprocess.CompletedProcess[str]:
+        seqs = [last - 1, last]
+        records = [[*RECORD[:3], [b"", seq.to_bytes(8, "big"), b"\x93"]] for seq in seqs]
+        path = header_capture(tmp_path / f"{last}.kvcap", {"block_size": 4}, records)
+        return kvbridge("validate", "--compare-dynamo", str(path))
+
+    refused = compare(2**64 - 4)
+    assert refused.stderr.splitlines() == [
+        f"kvbridge validate: error: {tmp_path}/18446744073709551612.kvcap: stream "
+        "tcp://127.0.0.1:5557 reaches seq 18446744073709551612, above the 18446744073709551611 "
+        "a comparison of its 2 records takes: it numbers its sentinel blocks after them, below "
+        "2**64 - 1"
+    ]
+    assert refused.returncode == 1
+    compared = compare(2**64 - 5)
+    # One seq lower, the comparison runs: its sentinel takes the last seq a batch can have.
+    assert compared.stdout.splitlines()[-1] == (
+        "Dynamo alone vs through kvbridge: same (0 missing, 0 stale in 1 capture(s))"
+    ), compared.stderr
+
+
 def test_compare_of_a_stream_with_two_workers_is_exit_1(tmp_path: Path) -> None:
     """A stream is one worker's: with two, the comparison could not tell whose blocks are."""
     other = [RECORD[0], RECORD[1], 2, RECORD[3]]

@@ -49,7 +49,7 @@ from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import should_bind
 from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
 
-__all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "Publisher"]
+__all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "MAX_SEQ", "Publisher"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
@@ -61,7 +61,7 @@ MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
 """The most batches a replay buffer may hold: the replay socket's high-water mark has room for
 two whole answers of them (``2 * (buffer_steps + 2)`` messages), within :data:`MAX_HWM`."""
 
-_MAX_SEQ: Final[int] = 2**64 - 2
+MAX_SEQ: Final[int] = 2**64 - 2
 """Largest publishable seq; 2**64 - 1 would be indistinguishable from
 :data:`~kvbridge.adapters.replay_protocol.END_SEQ`."""
 
@@ -216,8 +216,8 @@ class Publisher(ClosedOnExit):
             ValueError: ``seq`` is outside ``[0, 2**64 - 2]``.
             RuntimeError: the publisher is closed.
         """
-        if seq is not None and not 0 <= seq <= _MAX_SEQ:
-            raise ValueError(f"seq must be in [0, {_MAX_SEQ}], got {seq}")
+        if seq is not None and not 0 <= seq <= MAX_SEQ:
+            raise ValueError(f"seq must be in [0, {MAX_SEQ}], got {seq}")
         pub = self._pub
         if self._closed or pub is None:
             raise RuntimeError("publisher is closed")

@@ -19,6 +19,7 @@ from kvbridge.adapters.capture import (
     capture_name,
     capture_streams,
 )
+from kvbridge.adapters.publisher import MAX_SEQ
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
@@ -87,8 +88,26 @@ def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]
                 f"{path}: stream {endpoint} names workers {', '.join(map(str, workers))}: a "
                 "stream is one worker's, so a comparison cannot tell whose its blocks are"
             )
+        _check_seq_room(path, endpoint, stream)
         streams.append(Stream(path, workers[0], size, _engine_order(stream)))
     return streams, reader.prompts
+
+
+def _check_seq_room(path: str, endpoint: str, records: Sequence[FrameRecord]) -> None:
+    """Refuse a stream whose seqs leave no room for the comparison's sentinels.
+
+    Each sentinel takes the seq after the last one sent on its stream and moves the later
+    records one further, so a stream of ``n`` records needs ``n + 1`` seqs above its largest.
+    Sent past :data:`~kvbridge.adapters.publisher.MAX_SEQ`, a seq would read as the replay
+    protocol's end marker, and Dynamo would never show the sentinel.
+    """
+    last = max((record.seq for record in records if record.seq is not None), default=0)
+    if last + len(records) + 1 > MAX_SEQ:
+        raise CaptureError(
+            f"{path}: stream {endpoint} reaches seq {last}, above the "
+            f"{MAX_SEQ - len(records) - 1} a comparison of its {len(records)} records takes: it "
+            "numbers its sentinel blocks after them, below 2**64 - 1"
+        )
 
 
 def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
