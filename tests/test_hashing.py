@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from kvbridge.normalizers.hashing import (
     block_seed,
     engine_hash_u64,
     pack_tokens,
+    prompt_hashes,
     sequence_hash,
     sequence_hashes,
     tokens_hash,
@@ -273,6 +275,28 @@ def test_sequence_hashes_match_selection_service(service_run: ServiceRun) -> Non
     assert any(value < 0 for value in flat), "signed i64 conversion never exercised"
     assert sum(1 for case in service_run.cases if len(case.tokens) // case.block_size >= 3) > 300
     assert any(case.mm_hashes for case in service_run.cases)
+
+
+def test_prompt_hashes_are_what_the_selection_service_reports(service_run: ServiceRun) -> None:
+    """The precomputed form a router sends: each block's tokens_hash and sequence hash as signed
+    i64, in one call to the core; its sequence hashes are the service's own for the same tokens
+    and LoRA name, whether the ids come as a list or packed in an ``array("I")``."""
+    plain = [
+        (case, reported)
+        for case, reported in zip(service_run.cases, service_run.reported, strict=True)
+        if not case.cache_salt and not case.mm_hashes
+    ]
+    assert len(plain) > 200
+    assert any(case.lora_name for case, _ in plain)
+    for case, reported in plain:
+        blocks, sequence = prompt_hashes(case.tokens, case.block_size, lora_name=case.lora_name)
+        assert sequence == reported, case
+        assert [value & U64 for value in blocks] == case.expected(), case
+        packed = prompt_hashes(array("I", case.tokens), case.block_size, lora_name=case.lora_name)
+        assert packed == (blocks, sequence)
+    assert any(value < 0 for _, reported in plain for value in reported)
+    with pytest.raises(ValueError, match="block_size must be positive, got 0"):
+        prompt_hashes([1, 2], 0)
 
 
 def test_selection_service_hashes_follow_lora_and_salt(service_run: ServiceRun) -> None:

@@ -7,13 +7,12 @@ that against the binary on random inputs.
 
 from __future__ import annotations
 
-import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import Final, cast
 
-import xxhash
+from kvbridge import _core
 
 __all__ = [
     "DYNAMO_SEED",
@@ -21,6 +20,7 @@ __all__ = [
     "engine_hash_u64",
     "engine_hashes_u64",
     "pack_tokens",
+    "prompt_hashes",
     "sequence_hash",
     "sequence_hashes",
     "tokens_hash",
@@ -31,9 +31,6 @@ DYNAMO_SEED: Final = 1337
 U64_MASK: Final = 0xFFFF_FFFF_FFFF_FFFF
 DYNAMO_SALT_PREFIX: Final = "dynamo-cache-salt:"
 """The prefix ``dynamo.vllm`` puts on vLLM's cache salt; Dynamo reads only prefixed salts."""
-
-_xxh3_64 = xxhash.xxh3_64_intdigest
-_pair = struct.Struct("<QQ").pack
 
 
 def engine_hash_u64(value: int | bytes) -> int:
@@ -60,12 +57,7 @@ def engine_hashes_u64(values: Sequence[int | bytes]) -> list[int]:
 
 def block_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
     """The XXH3 seed of Dynamo's tokens_hash: 1337, plus the LoRA name and cache salt terms."""
-    seed = DYNAMO_SEED
-    if lora_name:
-        seed += _xxh3_64(lora_name.encode(), 0)
-    if cache_salt:
-        seed += _xxh3_64(cache_salt.encode(), 1)
-    return seed & U64_MASK
+    return _core.block_seed(lora_name, cache_salt)
 
 
 def pack_tokens(token_ids: Iterable[int]) -> bytes:
@@ -79,9 +71,10 @@ def pack_tokens(token_ids: Iterable[int]) -> bytes:
 
 def tokens_hash(block: bytes | memoryview, seed: int, mm_hashes: Sequence[int] = ()) -> int:
     """Dynamo's tokens_hash of one block given as packed tokens (see :func:`pack_tokens`)."""
-    if mm_hashes:
-        block = bytes(block) + b"".join(h.to_bytes(8, "little") for h in sorted(mm_hashes))
-    return _xxh3_64(block, seed)
+    block = memoryview(block).cast("B")
+    if not block or len(block) % 4:
+        raise ValueError(f"a block is one or more packed u32 token ids, got {len(block)} bytes")
+    return _core.tokens_hashes(block, len(block) // 4, seed, [mm_hashes])[0]
 
 
 def tokens_hashes(
@@ -94,21 +87,25 @@ def tokens_hashes(
 ) -> list[int]:
     """Dynamo's tokens_hash of each full block; a trailing partial block is dropped.
 
-    ``mm_hashes[i]`` lists the multimodal object hashes of block ``i``.
+    ``mm_hashes[i]`` lists the multimodal object hashes of block ``i``. The hashing is the
+    native core's, the same code that hashes the relay's blocks.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    seed = block_seed(lora_name, cache_salt)
     packed = memoryview(_packed(token_ids)).cast("B")
-    width = block_size * 4
-    count = len(token_ids) // block_size
-    if not mm_hashes:
-        return [
-            _xxh3_64(packed[start : start + width], seed)
-            for start in range(0, count * width, width)
-        ]
-    mm = list(mm_hashes) + [()] * (count - len(mm_hashes))
-    return [tokens_hash(packed[i * width : (i + 1) * width], seed, mm[i]) for i in range(count)]
+    return _core.tokens_hashes(packed, block_size, block_seed(lora_name, cache_salt), mm_hashes)
+
+
+def prompt_hashes(
+    token_ids: Sequence[int], block_size: int, *, lora_name: str | None = None
+) -> tuple[list[int], list[int]]:
+    """A prompt as Dynamo's router takes it precomputed: the tokens_hash and the sequence hash
+    of each full block, both as signed i64 (the same 64 bits as :func:`tokens_hashes` and
+    :func:`sequence_hashes` give unsigned), in one call to the native core."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    packed = memoryview(_packed(token_ids)).cast("B")
+    return _core.prompt_hashes(packed, block_size, block_seed(lora_name))
 
 
 def _packed(token_ids: Sequence[int]) -> bytes | array[int]:
@@ -121,15 +118,14 @@ def _packed(token_ids: Sequence[int]) -> bytes | array[int]:
 
 def sequence_hash(parent: int | None, block_tokens_hash: int) -> int:
     """One step of Dynamo's rolling sequence hash (``public-xxh3-v1``), as u64."""
-    if parent is None:
-        return block_tokens_hash
-    return _xxh3_64(_pair(parent, block_tokens_hash), DYNAMO_SEED)
+    return _core.sequence_hashes([block_tokens_hash], parent)[0]
 
 
 def sequence_hashes(block_tokens_hashes: Iterable[int], parent: int | None = None) -> list[int]:
     """The rolling sequence hash of every block, continuing from ``parent`` if given."""
-    result = []
-    for value in block_tokens_hashes:
-        parent = sequence_hash(parent, value)
-        result.append(parent)
-    return result
+    hashes = (
+        block_tokens_hashes
+        if isinstance(block_tokens_hashes, list | tuple)
+        else list(block_tokens_hashes)
+    )
+    return _core.sequence_hashes(hashes, parent)

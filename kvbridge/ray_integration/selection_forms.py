@@ -11,11 +11,10 @@ calls, their timeouts and what is booked.
 from __future__ import annotations
 
 import itertools
-from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from kvbridge.normalizers.hashing import sequence_hashes, tokens_hashes
+from kvbridge.normalizers.hashing import prompt_hashes
 from kvbridge.schemas import Overlap
 
 __all__ = [
@@ -35,26 +34,21 @@ def precomputed_prompt(
     """The prompt in Dynamo's precomputed form: its blocks hashed here.
 
     Dynamo converts a token list on the calling thread with the GIL held (about 0.4 ms for
-    8k tokens, some 50 ns a token), where hashing the blocks here from the packed ids
-    costs about 0.1 ms; the precomputed form is also what a moved reservation and the
+    8k tokens, some 50 ns a token), where the native core hashes the blocks of the packed ids
+    in a few microseconds; the precomputed form is also what a moved reservation and the
     ranking's ``overlap_scores`` take. Token ids from
     :func:`~kvbridge.ray_integration.prompt.prompt_tokens` come packed already (an
     ``array("I")``, the little-endian u32s Dynamo hashes), which
-    :func:`~kvbridge.normalizers.hashing.tokens_hashes` hashes block by block with no copy.
-    kvbridge's hashes are Dynamo's bit for bit (tests/test_hashing.py), LoRA name included.
+    :func:`~kvbridge.normalizers.hashing.prompt_hashes` hashes where they lie. kvbridge's
+    hashes are Dynamo's bit for bit (tests/test_hashing.py), LoRA name included.
     """
-    blocks = tokens_hashes(token_ids, block_size, lora_name=lora_name)
+    blocks, sequence = prompt_hashes(token_ids, block_size, lora_name=lora_name)
     return {
-        "block_hashes": _as_i64(blocks),
-        "sequence_hashes": _as_i64(sequence_hashes(blocks)),
+        "block_hashes": blocks,
+        "sequence_hashes": sequence,
         "isl_tokens": len(token_ids),
         "model_name": model_name,
     }
-
-
-def _as_i64(values: list[int]) -> list[int]:
-    """u64 hashes as the signed i64 values Dynamo's precomputed form takes."""
-    return array("q", array("Q", values).tobytes()).tolist()
 
 
 def pick_overlap(answer: Mapping[str, Any], block_size: int) -> Overlap:

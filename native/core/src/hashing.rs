@@ -48,13 +48,60 @@ pub fn pack_tokens(tokens: &[u32], out: &mut Vec<u8>) {
 pub fn tokens_hash(tokens: &[u32], seed: u64, mm_hashes: &mut [u64], scratch: &mut Vec<u8>) -> u64 {
     scratch.clear();
     pack_tokens(tokens, scratch);
-    if !mm_hashes.is_empty() {
-        mm_hashes.sort_unstable();
-        for hash in mm_hashes.iter() {
-            scratch.extend_from_slice(&hash.to_le_bytes());
-        }
-    }
+    append_mm_hashes(scratch, mm_hashes);
     xxh3_64_with_seed(scratch, seed)
+}
+
+/// Appends a block's multimodal object hashes as Dynamo hashes them after its tokens: sorted,
+/// little-endian.
+fn append_mm_hashes(block: &mut Vec<u8>, mm_hashes: &mut [u64]) {
+    mm_hashes.sort_unstable();
+    for hash in mm_hashes.iter() {
+        block.extend_from_slice(&hash.to_le_bytes());
+    }
+}
+
+/// Dynamo's `tokens_hash` of each full block of `packed` (token ids as little-endian u32, as
+/// [`pack_tokens`] writes them), hashed where they lie; a trailing partial block, and every
+/// block when `block_size` is 0, is left out. `mm_hashes[i]` are block `i`'s multimodal object
+/// hashes (see [`tokens_hash`]); blocks past the list have none. What a router hashes a prompt
+/// with, bit for bit `dynamo.llm.compute_block_hash_for_seq`.
+pub fn packed_tokens_hashes(
+    packed: &[u8],
+    block_size: usize,
+    seed: u64,
+    mm_hashes: &mut [Vec<u64>],
+) -> Vec<u64> {
+    let Some(width) = block_size.checked_mul(4).filter(|&width| width > 0) else {
+        return Vec::new();
+    };
+    let mut scratch = Vec::new();
+    packed
+        .chunks_exact(width)
+        .enumerate()
+        .map(|(index, block)| match mm_hashes.get_mut(index) {
+            Some(block_mm) if !block_mm.is_empty() => {
+                scratch.clear();
+                scratch.extend_from_slice(block);
+                append_mm_hashes(&mut scratch, block_mm);
+                xxh3_64_with_seed(&scratch, seed)
+            }
+            _ => xxh3_64_with_seed(block, seed),
+        })
+        .collect()
+}
+
+/// The rolling sequence hash of each block whose `tokens_hash` is given, continuing from
+/// `parent`'s (see [`sequence_hash`]).
+pub fn sequence_hashes(tokens_hashes: &[u64], mut parent: Option<u64>) -> Vec<u64> {
+    tokens_hashes
+        .iter()
+        .map(|&block_tokens_hash| {
+            let hash = sequence_hash(parent, block_tokens_hash);
+            parent = Some(hash);
+            hash
+        })
+        .collect()
 }
 
 /// One step of Dynamo's rolling sequence hash (`public-xxh3-v1`).
@@ -93,6 +140,43 @@ mod tests {
     fn empty_names_do_not_change_the_seed() {
         assert_eq!(block_seed(Some(""), Some("")), DYNAMO_SEED);
         assert_ne!(block_seed(Some("a"), None), DYNAMO_SEED);
+    }
+
+    #[test]
+    fn packed_blocks_hash_as_their_tokens_do() {
+        let tokens: Vec<u32> = (0..37u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        let mut packed = Vec::new();
+        pack_tokens(&tokens, &mut packed);
+        let mut mm = vec![vec![], vec![u64::MAX, 3, 1 << 63]];
+        let hashes = packed_tokens_hashes(&packed, 8, 99, &mut mm);
+        let mut scratch = Vec::new();
+        let expected: Vec<u64> = tokens
+            .chunks_exact(8)
+            .enumerate()
+            .map(|(index, block)| {
+                let mut block_mm = if index == 1 {
+                    vec![3, 1 << 63, u64::MAX]
+                } else {
+                    vec![]
+                };
+                tokens_hash(block, 99, &mut block_mm, &mut scratch)
+            })
+            .collect();
+        assert_eq!(hashes, expected);
+        assert_eq!(hashes.len(), 4);
+        assert!(packed_tokens_hashes(&packed, 0, 99, &mut []).is_empty());
+        assert!(packed_tokens_hashes(&packed, usize::MAX, 99, &mut []).is_empty());
+        assert!(packed_tokens_hashes(&packed[..31], 8, 99, &mut []).is_empty());
+    }
+
+    #[test]
+    fn sequence_hashes_roll_from_the_parent() {
+        let roots = sequence_hashes(&[5, 6, 7], None);
+        assert_eq!(roots[0], 5);
+        assert_eq!(roots[1], sequence_hash(Some(5), 6));
+        assert_eq!(roots[2], sequence_hash(Some(roots[1]), 7));
+        assert_eq!(sequence_hashes(&[6, 7], Some(5)), roots[1..]);
+        assert!(sequence_hashes(&[], Some(5)).is_empty());
     }
 
     #[test]

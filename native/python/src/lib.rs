@@ -7,9 +7,10 @@
 mod huge_pages;
 
 use kvbridge_core::decode::{Arena, Event};
-use kvbridge_core::layout;
 use kvbridge_core::msgpack::MAX_DEPTH;
 use kvbridge_core::{decode, Action, DropReason, Limits, Normalizer, Output, SchemaError, Tier};
+use kvbridge_core::{hashing, layout};
+use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::gc::PyVisit;
@@ -395,6 +396,64 @@ fn canonical_payloads<'py>(
     PyList::new(py, payloads.iter().map(|payload| PyBytes::new(py, payload)))
 }
 
+/// Dynamo's `tokens_hash` of each full block of `packed` (token ids as little-endian u32 in a
+/// bytes-like object of format `B`), as u64; `mm_hashes[i]` are block `i`'s multimodal object
+/// hashes. A block size of 0 is refused.
+#[pyfunction]
+#[pyo3(signature = (packed, block_size, seed, mm_hashes = Vec::new()))]
+fn tokens_hashes(
+    py: Python<'_>,
+    packed: PyBuffer<u8>,
+    block_size: usize,
+    seed: u64,
+    mut mm_hashes: Vec<Vec<u64>>,
+) -> PyResult<Vec<u64>> {
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block_size must be positive, got 0"));
+    }
+    let packed = packed.to_vec(py)?;
+    Ok(hashing::packed_tokens_hashes(
+        &packed,
+        block_size,
+        seed,
+        &mut mm_hashes,
+    ))
+}
+
+/// The rolling sequence hash of each block whose `tokens_hash` is given, continuing from
+/// `parent`'s, as u64.
+#[pyfunction]
+#[pyo3(signature = (tokens_hashes, parent = None))]
+fn sequence_hashes(tokens_hashes: Vec<u64>, parent: Option<u64>) -> Vec<u64> {
+    hashing::sequence_hashes(&tokens_hashes, parent)
+}
+
+/// A prompt in the form Dynamo's router takes precomputed: the `tokens_hash` and the sequence
+/// hash of each full block of `packed` (as [`tokens_hashes`] reads it), both as the signed
+/// i64 values Dynamo's Python binding takes. The GIL stays held: hashing an 8k-token prompt
+/// takes a few microseconds, less than handing the GIL over and back can cost.
+#[pyfunction]
+fn prompt_hashes(
+    py: Python<'_>,
+    packed: PyBuffer<u8>,
+    block_size: usize,
+    seed: u64,
+) -> PyResult<(Vec<i64>, Vec<i64>)> {
+    let blocks = tokens_hashes(py, packed, block_size, seed, Vec::new())?;
+    let sequence = hashing::sequence_hashes(&blocks, None);
+    // The same 64 bits read as two's complement, as Dynamo's i64 hashes are.
+    let signed = |values: &[u64]| values.iter().map(|&value| value as i64).collect();
+    Ok((signed(&blocks), signed(&sequence)))
+}
+
+/// The XXH3 seed of a block's `tokens_hash`: Dynamo's, plus the LoRA name and cache salt terms
+/// (an empty one adds nothing).
+#[pyfunction]
+#[pyo3(signature = (lora_name = None, cache_salt = None))]
+fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    hashing::block_seed(lora_name, cache_salt)
+}
+
 /// The core's decoding of a payload, as plain values, for differential tests against the
 /// msgspec decoder: `(ts, dp_rank, unknown_fields, events)`, each event a tuple of its tag and
 /// its fields in layout order (hashes as u64, extra keys as msgpack bytes).
@@ -451,6 +510,10 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PyOutput>()?;
     module.add_function(wrap_pyfunction!(decode_view, module)?)?;
     module.add_function(wrap_pyfunction!(canonical_payloads, module)?)?;
+    module.add_function(wrap_pyfunction!(tokens_hashes, module)?)?;
+    module.add_function(wrap_pyfunction!(sequence_hashes, module)?)?;
+    module.add_function(wrap_pyfunction!(prompt_hashes, module)?)?;
+    module.add_function(wrap_pyfunction!(block_seed, module)?)?;
     module.add("PayloadError", module.py().get_type::<PayloadError>())?;
     module.add("STORED_FIELDS", layout::STORED_FIELDS.to_vec())?;
     module.add("REMOVED_FIELDS", layout::REMOVED_FIELDS.to_vec())?;
