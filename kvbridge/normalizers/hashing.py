@@ -90,9 +90,7 @@ def tokens_hashes(
     ``mm_hashes[i]`` lists the multimodal object hashes of block ``i``. The hashing is the
     native core's, the same code that hashes the relay's blocks.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    packed = memoryview(_packed(token_ids)).cast("B")
+    packed = _packed(token_ids, block_size)
     return _core.tokens_hashes(packed, block_size, block_seed(lora_name, cache_salt), mm_hashes)
 
 
@@ -102,18 +100,18 @@ def prompt_hashes(
     """A prompt as Dynamo's router takes it precomputed: the tokens_hash and the sequence hash
     of each full block, both as signed i64 (the same 64 bits as :func:`tokens_hashes` and
     :func:`sequence_hashes` give unsigned), in one call to the native core."""
+    return _core.prompt_hashes(_packed(token_ids, block_size), block_size, block_seed(lora_name))
+
+
+def _packed(token_ids: Sequence[int], block_size: int) -> memoryview:
+    """The tokens' packed bytes, as the core hashes them in blocks of ``block_size``: an
+    ``array("I")`` as it is (no copy) on a little-endian host, anything else through
+    :func:`pack_tokens`."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    packed = memoryview(_packed(token_ids)).cast("B")
-    return _core.prompt_hashes(packed, block_size, block_seed(lora_name))
-
-
-def _packed(token_ids: Sequence[int]) -> bytes | array[int]:
-    """The tokens' packed bytes: an ``array("I")`` as it is (no copy) on a little-endian
-    host, anything else through :func:`pack_tokens`."""
     if sys.byteorder == "little" and isinstance(token_ids, array) and token_ids.typecode == "I":
-        return token_ids
-    return pack_tokens(token_ids)
+        return memoryview(token_ids).cast("B")
+    return memoryview(pack_tokens(token_ids))
 
 
 def sequence_hash(parent: int | None, block_tokens_hash: int) -> int:
