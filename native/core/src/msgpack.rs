@@ -97,6 +97,10 @@ impl<'a> Lax<'a> {
     }
 }
 
+/// The bits of a small uint's form that are its value, by the form's width in bytes (1, 2, 3
+/// or 5; the other entries are never read): a fixint's byte, else the bytes after the marker.
+const SMALL_UINT_MASKS: [u32; 6] = [0, 0x7f, 0xff, 0xffff, 0, u32::MAX];
+
 /// How many token ids [`Reader::small_uints`] reads per window of widths.
 const SMALL_UINTS_WINDOW: usize = 64;
 
@@ -329,10 +333,10 @@ impl<'a> Reader<'a> {
                 }
                 let at = pos + offset;
                 let word = u64::from_be_bytes(data[at..at + 8].try_into().expect("8 bytes"));
-                // A fixint is its marker; any other form is the bytes after its marker.
-                let marker_bits = u32::from(width > 1) * 8;
-                let value_bits = 8 * u32::from(width) - marker_bits;
-                *value = ((word << marker_bits) >> (64 - value_bits)) as u32;
+                // The form's bytes are the word's top `width`; a fixint is its marker, any
+                // other form the bytes after its marker, which the mask keeps.
+                let form = (word >> (64 - 8 * u32::from(width))) as u32;
+                *value = form & SMALL_UINT_MASKS[usize::from(width)];
                 offset += usize::from(width);
                 read += 1;
             }
