@@ -1010,10 +1010,16 @@ mod fast {
 
     /// The tag.
     fn tag(reader: &mut Reader<'_>) -> Option<&'static str> {
-        let tag = reader.str_bytes()?;
-        [STORED, REMOVED, CLEARED]
-            .into_iter()
-            .find(|known| same(known.as_bytes(), tag))
+        // Each tag as its msgpack bytes (a fixstr), the most frequent first.
+        if reader.consume(b"\xacBlockRemoved") {
+            Some(REMOVED)
+        } else if reader.consume(b"\xabBlockStored") {
+            Some(STORED)
+        } else if reader.consume(b"\xb0AllBlocksCleared") {
+            Some(CLEARED)
+        } else {
+            None
+        }
     }
 
     /// Whether two short strings are equal, compared in words rather than by a call to
@@ -1214,10 +1220,16 @@ mod fast {
     /// Strings most events carry, taken as they are rather than checked for UTF-8 each time.
     const COMMON: [&str; 3] = ["GPU", "CPU", "full_attention"];
 
+    /// The media nearly every event names, as their msgpack bytes (a fixstr of three).
+    const MEDIA: [(&[u8; 4], &str); 2] = [(b"\xa3GPU", "GPU"), (b"\xa3CPU", "CPU")];
+
     /// `Some(value)`: the field's value; `None`: not of the plain kind.
     fn opt_str<'a>(reader: &mut Reader<'a>) -> Option<Option<&'a str>> {
         if reader.nil() {
             return Some(None);
+        }
+        if let Some(&(_, medium)) = MEDIA.iter().find(|(bytes, _)| reader.consume(bytes)) {
+            return Some(Some(medium));
         }
         let bytes = reader.str_bytes()?;
         if let Some(&common) = COMMON.iter().find(|known| same(known.as_bytes(), bytes)) {

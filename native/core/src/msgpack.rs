@@ -157,6 +157,16 @@ impl<'a> Reader<'a> {
         self.pos >= self.data.len()
     }
 
+    /// Consumes `bytes` if they come next: an item whose whole encoding is known, matched in
+    /// one comparison.
+    #[inline(always)]
+    pub fn consume<const N: usize>(&mut self, bytes: &[u8; N]) -> bool {
+        let next = self.data.get(self.pos..).and_then(<[u8]>::first_chunk::<N>);
+        let matched = next == Some(bytes);
+        self.pos += if matched { N } else { 0 };
+        matched
+    }
+
     /// The next marker byte, without consuming it.
     pub fn peek(&self) -> Option<u8> {
         self.data.get(self.pos).copied()
