@@ -21,7 +21,7 @@ use crate::layout::{
     stored_position, CLEARED, REMOVED, REMOVED_ARRAY_FIELDS, REMOVED_AS_STORED, REMOVED_FIELDS,
     REMOVED_REQUIRED, STORED, STORED_ARRAY_FIELDS, STORED_FIELDS, STORED_REQUIRED, U32_MAX,
 };
-use crate::msgpack::{too_deep, Item, Lax, ReadError, Reader, MAX_DEPTH};
+use crate::msgpack::{fixstr, too_deep, Item, Lax, ReadError, Reader, MAX_DEPTH};
 
 /// A payload that is not a valid vLLM batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1008,14 +1008,17 @@ mod fast {
         })
     }
 
-    /// The tag.
+    const REMOVED_TAG: [u8; REMOVED.len() + 1] = fixstr(REMOVED);
+    const STORED_TAG: [u8; STORED.len() + 1] = fixstr(STORED);
+    const CLEARED_TAG: [u8; CLEARED.len() + 1] = fixstr(CLEARED);
+
+    /// The tag, matched as its msgpack bytes, the most frequent first.
     fn tag(reader: &mut Reader<'_>) -> Option<&'static str> {
-        // Each tag as its msgpack bytes (a fixstr), the most frequent first.
-        if reader.consume(b"\xacBlockRemoved") {
+        if reader.consume(&REMOVED_TAG) {
             Some(REMOVED)
-        } else if reader.consume(b"\xabBlockStored") {
+        } else if reader.consume(&STORED_TAG) {
             Some(STORED)
-        } else if reader.consume(b"\xb0AllBlocksCleared") {
+        } else if reader.consume(&CLEARED_TAG) {
             Some(CLEARED)
         } else {
             None
@@ -1217,19 +1220,22 @@ mod fast {
         (reader.hashes(len, &mut arena.hashes) == len).then_some(start..arena.hashes.len())
     }
 
-    /// Strings most events carry, taken as they are rather than checked for UTF-8 each time.
-    const COMMON: [&str; 3] = ["GPU", "CPU", "full_attention"];
+    /// The media nearly every event names, matched as their msgpack bytes.
+    const MEDIA: [&str; 2] = ["GPU", "CPU"];
+    const MEDIA_FIXSTRS: [[u8; 4]; 2] = [fixstr(MEDIA[0]), fixstr(MEDIA[1])];
 
-    /// The media nearly every event names, as their msgpack bytes (a fixstr of three).
-    const MEDIA: [(&[u8; 4], &str); 2] = [(b"\xa3GPU", "GPU"), (b"\xa3CPU", "CPU")];
+    /// Strings most events carry, taken as they are rather than checked for UTF-8 each time
+    /// (the media here too, for their other encodings).
+    const COMMON: [&str; 3] = [MEDIA[0], MEDIA[1], "full_attention"];
 
     /// `Some(value)`: the field's value; `None`: not of the plain kind.
     fn opt_str<'a>(reader: &mut Reader<'a>) -> Option<Option<&'a str>> {
         if reader.nil() {
             return Some(None);
         }
-        if let Some(&(_, medium)) = MEDIA.iter().find(|(bytes, _)| reader.consume(bytes)) {
-            return Some(Some(medium));
+        if let Some(medium) = (0..MEDIA.len()).find(|&index| reader.consume(&MEDIA_FIXSTRS[index]))
+        {
+            return Some(Some(MEDIA[medium]));
         }
         let bytes = reader.str_bytes()?;
         if let Some(&common) = COMMON.iter().find(|known| same(known.as_bytes(), bytes)) {

@@ -97,6 +97,25 @@ impl<'a> Lax<'a> {
     }
 }
 
+/// `text` as a msgpack fixstr: its marker, then its bytes, for a constant that
+/// [`Reader::consume`] matches. `N` is one more than the text's length (at most 31), which the
+/// compiler checks where the constant is built.
+pub const fn fixstr<const N: usize>(text: &str) -> [u8; N] {
+    let bytes = text.as_bytes();
+    assert!(
+        bytes.len() < 32 && bytes.len() + 1 == N,
+        "a fixstr holds N - 1 < 32 bytes"
+    );
+    let mut out = [0u8; N];
+    out[0] = 0xa0 | bytes.len() as u8;
+    let mut index = 0;
+    while index < bytes.len() {
+        out[index + 1] = bytes[index];
+        index += 1;
+    }
+    out
+}
+
 /// The bits of a small uint's form that are its value, by the form's width in bytes (1, 2, 3
 /// or 5; the other entries are never read): a fixint's byte, else the bytes after the marker.
 const SMALL_UINT_MASKS: [u32; 6] = [0, 0x7f, 0xff, 0xffff, 0, u32::MAX];
@@ -157,8 +176,8 @@ impl<'a> Reader<'a> {
         self.pos >= self.data.len()
     }
 
-    /// Consumes `bytes` if they come next: an item whose whole encoding is known, matched in
-    /// one comparison.
+    /// Consumes `bytes` if they come next: an item whose whole encoding is known (e.g. a
+    /// [`fixstr`]), matched in one comparison.
     #[inline(always)]
     pub fn consume<const N: usize>(&mut self, bytes: &[u8; N]) -> bool {
         let next = self.data.get(self.pos..).and_then(<[u8]>::first_chunk::<N>);
@@ -837,6 +856,21 @@ mod tests {
         // Truncated or malformed before the limit: no answer.
         assert_eq!(too_deep(&[0x91, 0x91, 0xdc]), None);
         assert_eq!(too_deep(&[0x92, 0xc1, 0x91]), None);
+    }
+
+    #[test]
+    fn fixstr_is_what_the_writer_writes_and_consume_matches() {
+        const TAG: [u8; 13] = fixstr("BlockRemoved");
+        assert_eq!(TAG, *b"\xacBlockRemoved");
+        let mut written = Vec::new();
+        write::str(&mut written, "BlockRemoved");
+        assert_eq!(written, TAG);
+        written.push(0xc0);
+        let mut reader = Reader::new(&written);
+        assert!(!reader.consume(&fixstr::<4>("GPU")));
+        assert!(reader.consume(&TAG));
+        assert!(!reader.consume(&TAG));
+        assert!(reader.nil());
     }
 
     #[test]
