@@ -1,7 +1,9 @@
-"""Starting a local Ray for the tests, once more if its raylet was slow to come up.
+"""Starting a local Ray for the tests, once more if its head was slow to come up.
 
-``ray.init`` waits a fixed 30 s for its raylet to register (Ray's ``node.py``); on a loaded
-2-core machine that can run out while the node is still starting. Both the router tests and the
+``ray.init`` waits 30 s for its GCS server to publish its port and a fixed 30 s for its raylet
+to register (Ray's ``node.py``); on a loaded 2-core machine either can run out while the node is
+still starting (the GCS wait ran out once in a whole-suite run on an otherwise idle machine, with
+no GCS log written). Both the router tests and the
 Serve LLM apps (run by the Serve LLM venv's python, which imports nothing else of ``tests/``)
 start Ray through :func:`init_ray`.
 """
@@ -14,8 +16,9 @@ import ray
 
 __all__ = ["init_ray"]
 
-STARTUP_TIMEOUT: Final = "timed out during startup"
-"""What Ray's error says when the raylet did not register in time."""
+STARTUP_TIMEOUTS: Final = ("timed out during startup", "Timed out waiting for file")
+"""What Ray's errors say when the raylet did not register in time, and when the GCS server did
+not publish its port file in time."""
 
 
 def init_ray(**options: Any) -> None:
@@ -24,7 +27,7 @@ def init_ray(**options: Any) -> None:
     try:
         ray.init(**options)
     except Exception as error:
-        if STARTUP_TIMEOUT not in str(error):
+        if not any(timeout in str(error) for timeout in STARTUP_TIMEOUTS):
             raise
         ray.shutdown()
         ray.init(**options)
