@@ -3,9 +3,8 @@
 ``ray.init`` waits 30 s for its GCS server to publish its port and a fixed 30 s for its raylet
 to register (Ray's ``node.py``); on a loaded 2-core machine either can run out while the node is
 still starting (the GCS wait ran out once in a whole-suite run on an otherwise idle machine, with
-no GCS log written). Both the router tests and the
-Serve LLM apps (run by the Serve LLM venv's python, which imports nothing else of ``tests/``)
-start Ray through :func:`init_ray`.
+no GCS log written). Both the router tests and the Serve LLM apps (run by the Serve LLM venv's
+python, which imports nothing else of ``tests/``) start Ray through :func:`init_ray`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any, Final
 
 import ray
 
-__all__ = ["init_ray"]
+__all__ = ["STARTUP_TIMEOUTS", "init_ray"]
 
 STARTUP_TIMEOUTS: Final = ("timed out during startup", "Timed out waiting for file")
 """What Ray's errors say when the raylet did not register in time, and when the GCS server did
