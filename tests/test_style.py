@@ -67,6 +67,15 @@ def test_cargo_test() -> None:
     assert "test result: ok" in result.stdout
 
 
+def test_fuzz_lock_is_current() -> None:
+    """native/fuzz is a workspace of its own, with its own Cargo.lock: a dependency added to
+    kvbridge-core must reach that lock too, or the fuzz run resolves it afresh each time."""
+    result = _cargo(
+        "metadata", "--locked", "--format-version", "1", "--manifest-path", "fuzz/Cargo.toml"
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_layout_table_has_one_meaning_in_both_languages() -> None:
     """The Rust core's field table and the Python layout table describe the same wire format."""
     from kvbridge import _core
