@@ -35,7 +35,7 @@ time-sharing a core.
 
 Why it holds. The relay's work per batch is mostly in the native core, which releases the GIL
 while it decodes, normalizes and writes (``py.detach`` around ``Normalizer.normalize`` and
-``NormalizedBatch.canonical_payloads`` in ``native/python/src/lib.rs``, about 22 us a batch here);
+``NormalizedBatch.canonical_payloads`` in ``native/python/src/``, about 22 us a batch here);
 pyzmq releases it inside ``zmq_msg_recv``, ``zmq_msg_send`` and ``zmq_poll``. What remains
 under the GIL, per batch, is the subscriber's Python (three ``recv`` calls, the sequence
 check, a ``Message``), the pipeline's (the worker lookup, the normalizer's wrapper, the rank
