@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -65,6 +66,24 @@ def test_cargo_test() -> None:
     result = _cargo("test", "--locked", "-p", "kvbridge-core")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "test result: ok" in result.stdout
+
+
+def _code_lines(path: Path) -> int:
+    """A Rust file's lines before its unit tests (a ``#[cfg(test)]`` module at its end)."""
+    lines = path.read_text().splitlines()
+    for number, (line, following) in enumerate(itertools.pairwise(lines)):
+        if line == "#[cfg(test)]" and following.split("{")[0].strip().endswith("mod tests"):
+            return number
+    return len(lines)
+
+
+def test_every_rust_module_is_small() -> None:
+    """The Rust crates keep the Python package's bound: no file has more than MAX_MODULE_LINES
+    lines of code (its unit tests aside), so that each keeps to one job."""
+    sources = sorted(path for path in NATIVE.rglob("*.rs") if "target" not in path.parts)
+    assert len(sources) >= 30, sources
+    lines = {path.relative_to(ROOT).as_posix(): _code_lines(path) for path in sources}
+    assert {path: count for path, count in lines.items() if count > MAX_MODULE_LINES} == {}
 
 
 def test_fuzz_lock_is_current() -> None:
