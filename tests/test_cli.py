@@ -216,7 +216,7 @@ BAD_ARGUMENTS = [
     bad_publish("tcp://127.0.0.1:0", "port 0 is out of range 1-65535 in 'tcp://127.0.0.1:0'"),
     bad_publish(
         "127.0.0.1:45002",
-        "not an endpoint: '127.0.0.1:45002' (expected tcp://HOST:PORT or ipc://PATH, optionally after bind: or connect:)",
+        "not an endpoint: '127.0.0.1:45002' (expected tcp://HOST:PORT (tcp://[IPv6]:PORT) or ipc://PATH, optionally after bind: or connect:)",
     ),
     bad_publish("tcp://127.0.0.1", "no port in 'tcp://127.0.0.1' (expected tcp://HOST:PORT)"),
     bad_publish("tcp://127.0.0.1:x", "port 'x' is not a number in 'tcp://127.0.0.1:x'"),
@@ -226,8 +226,12 @@ BAD_ARGUMENTS = [
         "'300.1.1.1' is not an IPv4 address or a host name in 'tcp://300.1.1.1:6557'",
     ),
     bad_publish(
-        "tcp://[::1]:6557",
-        "IPv6 address '[::1]' in 'tcp://[::1]:6557' is not supported (kvbridge's sockets are IPv4): use an IPv4 address or a host name",
+        "tcp://::1:6557",
+        "'::1' in 'tcp://::1:6557' is not a host: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT",
+    ),
+    bad_publish("tcp://[::g]:6557", "'[::g]' is not an IPv6 address in 'tcp://[::g]:6557'"),
+    bad_publish(
+        "tcp://[1.2.3.4]:6557", "'[1.2.3.4]' is not an IPv6 address in 'tcp://[1.2.3.4]:6557'"
     ),
     bad_publish(
         "udp://127.0.0.1:6557",
@@ -260,6 +264,30 @@ BAD_ARGUMENTS = [
     bad_publish(
         "tcp://127.0.0.1:5557",
         "tcp://127.0.0.1:5557 is the same socket as --source tcp://127.0.0.1:5557",
+    ),
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://[::]:5557",
+            "--publish",
+            "tcp://[0::1]:5557",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: argument --publish: tcp://[0::1]:5557 is the same socket as --source tcp://[::1]:5557",
+    ),
+    (
+        [
+            "relay",
+            "--source",
+            "tcp://[::1]:5557",
+            "--publish",
+            "tcp://[::]:5557",
+            "--block-size",
+            "16",
+        ],
+        "kvbridge relay: error: argument --publish: tcp://[::]:5557 is the same socket as --source tcp://[::1]:5557",
     ),
     (
         two_sources("tcp://127.0.0.1:6557", "--publish-replay", "tcp://127.0.0.1:6558"),

@@ -36,6 +36,7 @@ from support.relay_process import RelayProcess, Samples, kvbridge_command, port_
 from support.selection_harness import Overlap, SelectionHarness
 
 from kvbridge import Normalizer
+from kvbridge.adapters.endpoints import is_ipv6, tcp_address
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import (
@@ -69,7 +70,7 @@ def seq8(seq: int) -> bytes:
 class Rig:
     """vLLM-like source publishers (one per worker, each with a replay ROUTER) and a
     ``kvbridge relay`` subprocess republishing the ``i``-th of them on ``publish[i]`` with
-    replays on ``replay[i]``."""
+    replays on ``replay[i]``, every socket on the loopback ``host`` (IPv4 or IPv6)."""
 
     def __init__(
         self,
@@ -79,28 +80,31 @@ class Rig:
         *,
         extra: Sequence[str] = (),
         buffer_steps: int = 10_000,
+        host: str = "127.0.0.1",
     ) -> None:
         self.stack = stack
         self.log_dir = log_dir
         self.worker_ids = list(worker_ids)
         self.sources: list[Publisher] = []
+        local = tcp_address(host, 0)
         for _ in worker_ids:
             source = stack.enter_context(
-                Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, buffer_steps=buffer_steps)
+                Publisher(local, bind=True, replay_endpoint=local, buffer_steps=buffer_steps)
             )
             source.start_replay_thread()
             self.sources.append(source)
         count = len(worker_ids)
         base = free_port_range(2 * count + 1)
-        self.publish = [f"tcp://127.0.0.1:{base + i}" for i in range(count)]
-        self.replay = [f"tcp://127.0.0.1:{base + count + i}" for i in range(count)]
+        self.publish = [tcp_address(host, base + i) for i in range(count)]
+        self.replay = [tcp_address(host, base + count + i) for i in range(count)]
+        wildcard = "::" if is_ipv6(local) else "*"
         self.metrics_port = base + 2 * count
         self.args: list[str] = []
         for worker_id, source in zip(worker_ids, self.sources, strict=True):
             assert source.replay_endpoint is not None
             # A wildcard host: the engine binds and the relay connects, as with vLLM's default.
-            self.args += ["--source", f"tcp://*:{port_of(source.endpoint)}"]
-            self.args += ["--source-replay", f"tcp://*:{port_of(source.replay_endpoint)}"]
+            self.args += ["--source", tcp_address(wildcard, port_of(source.endpoint))]
+            self.args += ["--source-replay", tcp_address(wildcard, port_of(source.replay_endpoint))]
             self.args += ["--worker-id", str(worker_id)]
         self.args += ["--publish", self.publish[0], "--publish-replay", self.replay[0]]
         self.args += ["--block-size", str(BLOCK_SIZE), *extra]
@@ -151,9 +155,13 @@ def stack() -> Iterator[ExitStack]:
 @pytest.fixture
 def make_rig(stack: ExitStack, tmp_path: Path) -> Callable[..., Rig]:
     def make(
-        worker_ids: Sequence[int], *, extra: Sequence[str] = (), buffer_steps: int = 10_000
+        worker_ids: Sequence[int],
+        *,
+        extra: Sequence[str] = (),
+        buffer_steps: int = 10_000,
+        host: str = "127.0.0.1",
     ) -> Rig:
-        return Rig(stack, tmp_path, worker_ids, extra=extra, buffer_steps=buffer_steps)
+        return Rig(stack, tmp_path, worker_ids, extra=extra, buffer_steps=buffer_steps, host=host)
 
     return make
 
@@ -333,6 +341,32 @@ def test_dynamo_replays_from_the_relay(make_rig: Callable[..., Rig]) -> None:
         assert with_replay.overlap(prompt) == {(7, 0): (2, 3, 3)}
         assert without_replay.overlap(prompt) == {}
     assert rig.relay.value("kvbridge_batches_total", direction="out") == 5
+
+
+def test_every_socket_of_the_way_speaks_ipv6(make_rig: Callable[..., Rig]) -> None:
+    """The engine binds ``[::1]`` (the relay is given ``tcp://[::]:PORT``, vLLM's wildcard, and
+    connects to ``[::1]``), the relay publishes on ``[::1]``, and Dynamo subscribes there. Every
+    socket of the way is IPv6: the engine's PUB and ROUTER, the relay's SUB, DEALER, PUB and
+    ROUTER, Dynamo's SUB and DEALER. A batch the relay misses is replayed from the engine, and
+    a service registered late replays the rest from the relay."""
+    rig = make_rig([7], extra=["--merge-bytes", "0"], host="::1")
+    assert rig.publish[0].startswith("tcp://[::1]:")
+    rig.wait_connected(peers_per_output=0)
+    source = rig.source(7)
+    prompt = list(range(100, 112))
+    source.publish(encoded([stored([11, 12], prompt[:8])]))
+    source.publish(encoded([stored([13], prompt[8:], parent=12)]), send=False)  # a gap
+    source.publish(encoded([stored([12, 13], prompt[4:], parent=11, medium="CPU")]))
+    assert rig.relay.wait_value("kvbridge_batches_total", 3, direction="out")
+    assert rig.relay.value("kvbridge_replayed_batches_total") == 2
+
+    with SelectionHarness() as harness:
+        rig.register(harness, 7)
+        rig.wait_connected()
+        later = list(range(500, 504))
+        source.publish(encoded([stored([21], later)]))
+        assert harness.wait_for(lambda: harness.overlap(later) == {(7, 0): (1, 1, 1)})
+        assert harness.overlap(prompt) == {(7, 0): (3, 3, 3)}
 
 
 # --------------------------------------------------------------------------- 3. bad frames

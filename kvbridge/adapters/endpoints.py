@@ -3,17 +3,22 @@
 An endpoint argument is ``[bind:|connect:]ADDRESS`` where ``ADDRESS`` is one of ZMQ's
 transports:
 
-- ``tcp://HOST:PORT``: ``HOST`` is ``*`` (every interface), an IPv4 address, a host name or an
-  interface name; ``PORT`` is from 1 to 65535;
+- ``tcp://HOST:PORT``: ``HOST`` is ``*`` (every IPv4 interface), an IPv4 address, a host name
+  or an interface name, or an IPv6 address in brackets (``[::1]``; ``[::]`` is every
+  interface, IPv4 included); ``PORT`` is from 1 to 65535;
 - ``ipc://PATH`` (a Unix socket; ``ipc://@NAME`` for Linux's abstract namespace);
 - ``inproc://NAME`` (only inside one process, so the command line refuses it).
 
 Without a prefix, a KV-event source follows vLLM's own rule for ``KVEventsConfig.endpoint``
-(:func:`should_bind`): a wildcard host (or ``ipc://``) means the
-engine binds and kvbridge connects, on 127.0.0.1 for ``*``; any other address means the engine
-connects, so kvbridge binds it. ``connect:tcp://10.1.2.3:5557`` subscribes to a remote engine
-that binds; ``bind:`` says the opposite. A replay endpoint of a source is always connected to
-(the engine binds it), and the relay always binds its own outputs (Dynamo connects to them).
+(:func:`should_bind`): a wildcard host, an address with ``::`` in it (or ``ipc://``) means the
+engine binds and kvbridge connects, on the loopback for a wildcard (:func:`loopback`); any
+other address means the engine connects, so kvbridge binds it. ``connect:tcp://10.1.2.3:5557``
+subscribes to a remote engine that binds; ``bind:`` says the opposite. A replay endpoint of a
+source is always connected to (the engine binds it), and the relay always binds its own outputs
+(Dynamo connects to them).
+
+A socket for an IPv6 address needs ZMQ's ``IPV6`` option, which :func:`allow_ipv6` sets, as
+vLLM sets it for its own sockets; a host name is resolved to IPv4, as by vLLM's sockets.
 
 Two arguments of one command must not name the same socket (:func:`clash`), and a source that
 has delivered nothing after a few seconds is reported once, with what to check
@@ -30,6 +35,7 @@ from typing import Final, Literal
 
 import msgspec
 import structlog
+import zmq
 
 __all__ = [
     "SILENCE_AFTER_S",
@@ -37,9 +43,13 @@ __all__ = [
     "EndpointError",
     "Mode",
     "SilenceWatch",
+    "allow_ipv6",
     "clash",
+    "is_ipv6",
+    "loopback",
     "parse_endpoint",
     "should_bind",
+    "tcp_address",
 ]
 
 Mode = Literal["bind", "connect"]
@@ -53,9 +63,12 @@ _IPC_PATH_MAX: Final = 107
 _HOST_NAME = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*$"
 )
-_WILDCARDS: Final = frozenset(("*", "0.0.0.0"))
+_WILDCARDS: Final = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+"""Each host that binds every interface, and the loopback a connection to it goes to."""
 _LOOPBACK_NAMES: Final = frozenset(("localhost", "127.0.0.1"))
-_SYNTAX: Final = "expected tcp://HOST:PORT or ipc://PATH, optionally after bind: or connect:"
+_SYNTAX: Final = (
+    "expected tcp://HOST:PORT (tcp://[IPv6]:PORT) or ipc://PATH, optionally after bind: or connect:"
+)
 
 log = structlog.get_logger("kvbridge.endpoints")
 
@@ -68,6 +81,36 @@ def should_bind(endpoint: str) -> bool:
         or endpoint.startswith("ipc://")
         or endpoint.startswith("inproc://")
     )
+
+
+def is_ipv6(address: str) -> bool:
+    """Whether ``address`` is TCP to an IPv6 address (``tcp://[...]:PORT``)."""
+    return address.startswith("tcp://[")
+
+
+def allow_ipv6(socket: zmq.Socket[bytes], address: str) -> None:
+    """Let ``socket`` bind or connect to ``address`` if it is IPv6 (ZMQ's sockets are IPv4
+    unless told otherwise); other addresses leave the socket as it is."""
+    if is_ipv6(address):
+        socket.setsockopt(zmq.IPV6, 1)
+
+
+def tcp_address(host: str, port: int | str) -> str:
+    """``tcp://HOST:PORT``, with an IPv6 host in brackets (given with or without them)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def loopback(address: str) -> str:
+    """The address to connect to for one a peer binds: a wildcard host (``*``, ``0.0.0.0``,
+    ``[::]``) becomes the loopback of its family, on the same port."""
+    if not address.startswith("tcp://"):
+        return address
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if host not in _WILDCARDS:
+        return address
+    return f"tcp://{_WILDCARDS[host]}:{port}"
 
 
 class EndpointError(ValueError):
@@ -84,7 +127,7 @@ class Endpoint(msgspec.Struct, frozen=True):
     mode: Mode | None = None
     """The prefix given, or ``None`` for the default rule of the argument."""
     host: str | None = None
-    """For ``tcp``: the host as given (``*`` for every interface)."""
+    """For ``tcp``: the host as given (``*`` for every interface, an IPv6 address in brackets)."""
     port: int | None = None
     """For ``tcp``: the port."""
 
@@ -114,10 +157,8 @@ class Endpoint(msgspec.Struct, frozen=True):
 
     def dialled(self, mode: Mode) -> str:
         """The address a socket in ``mode`` binds or connects to: connecting to a wildcard host
-        connects to 127.0.0.1."""
-        if mode == "connect" and self.host in _WILDCARDS:
-            return f"tcp://127.0.0.1:{self.port}"
-        return self.address
+        connects to the loopback (:func:`loopback`)."""
+        return loopback(self.address) if mode == "connect" else self.address
 
 
 def parse_endpoint(text: str) -> Endpoint:
@@ -169,10 +210,16 @@ def parse_endpoint(text: str) -> Endpoint:
 def _check_host(host: str, text: str) -> None:
     if not host:
         raise EndpointError(f"no host in {text!r} (use * for every interface)")
-    if host.startswith("[") or ":" in host:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise EndpointError(f"{host!r} is not an IPv6 address in {text!r}") from None
+        return
+    if ":" in host or "[" in host or "]" in host:
         raise EndpointError(
-            f"IPv6 address {host!r} in {text!r} is not supported (kvbridge's sockets are "
-            "IPv4): use an IPv4 address or a host name"
+            f"{host!r} in {text!r} is not a host: an IPv6 address goes in brackets, "
+            "tcp://[ADDRESS]:PORT"
         )
     if host == "*":
         return
@@ -186,33 +233,45 @@ def _check_host(host: str, text: str) -> None:
 
 
 def _local(host: str) -> str:
-    """A host as far as clashes go: ``*`` for every interface, 127.0.0.1 for loopback names."""
-    if host in _WILDCARDS:
+    """A host as far as clashes go: ``*`` for every IPv4 interface, ``[::]`` for every
+    interface, 127.0.0.1 for loopback names, an IPv6 address in its compressed form."""
+    if host in ("*", "0.0.0.0"):
         return "*"
     if host in _LOOPBACK_NAMES or host.startswith("127."):
         return "127.0.0.1"
+    if host.startswith("["):
+        return f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
     return host.lower()
+
+
+def _meets(wildcard: tuple[str, Mode], other: tuple[str, Mode]) -> bool:
+    """Whether a socket bound to every interface (``*``, or ``[::]`` for both families, as ZMQ
+    binds it) meets another socket on the same port: any bind of a family it covers, and a
+    connection to the loopback of one."""
+    host, (other_host, other_mode) = wildcard[0], other
+    if host == "[::]":
+        return other_mode == "bind" or other_host in ("127.0.0.1", "[::1]")
+    if host == "*":
+        ipv4 = not other_host.startswith("[")
+        return (other_mode == "bind" and ipv4) or other_host == "127.0.0.1"
+    return False
 
 
 def clash(first: Endpoint, first_mode: Mode, second: Endpoint, second_mode: Mode) -> bool:
     """Whether two sockets of one process, binding or connecting as given, would meet on the same
-    address: the same path or name, or the same TCP port where one binds every interface and the
-    other is local, or the same host."""
+    address: the same path or name, or the same TCP port where one binds every interface of a
+    family and the other binds in that family or connects to its loopback, or the same host."""
     if first.transport != second.transport:
         return False
     if first.port is None or second.port is None:
         return first.address == second.address
     if first.port != second.port:
         return False
-    (host, _), (other, other_mode) = sorted(
+    one, two = (
         (_local(e.dialled(m).removeprefix("tcp://").rpartition(":")[0]), m)
         for e, m in ((first, first_mode), (second, second_mode))
     )
-    if host == other:
-        return True
-    # ``*`` sorts first and is only ever bound: it meets any other bind, and a connection to
-    # this host.
-    return host == "*" and (other_mode == "bind" or other == "127.0.0.1")
+    return one[0] == two[0] or _meets(one, two) or _meets(two, one)
 
 
 class SilenceWatch:
@@ -249,8 +308,7 @@ def silence_message(endpoint: str, binds: bool, after_s: float) -> str:
         how = f"kvbridge binds {endpoint}, so the engine must connect to it"
         fix = f"connect:{endpoint}"
     else:
-        address = endpoint.replace("*", "127.0.0.1", 1)
-        how = f"kvbridge connects to {address}, so the engine must bind it"
+        how = f"kvbridge connects to {loopback(endpoint)}, so the engine must bind it"
         fix = f"bind:{endpoint}"
     return (
         f"no batch from {endpoint} after {after_s:g} s: is the engine publishing there? "

@@ -46,7 +46,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
-from kvbridge.adapters.endpoints import should_bind
+from kvbridge.adapters.endpoints import allow_ipv6, should_bind
 from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "MAX_SEQ", "Publisher"]
@@ -139,6 +139,7 @@ class Publisher(ClosedOnExit):
             self._monitor = self._pub.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             )
+            allow_ipv6(self._pub, endpoint)
             if should_bind(endpoint) if bind is None else bind:
                 self._pub.bind(endpoint)
             else:

@@ -25,9 +25,10 @@ from typing import Final
 
 import zmq
 
+from kvbridge.adapters.endpoints import allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
-from kvbridge.adapters.source import Message, StreamReset, connect_address
+from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
@@ -138,7 +139,9 @@ class ReplayClient:
             stream.dealer.setsockopt(zmq.LINGER, 0)
             stream.dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
             stream.dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
-            stream.dealer.connect(connect_address(source.replay_endpoint))
+            address = loopback(source.replay_endpoint)
+            allow_ipv6(stream.dealer, address)
+            stream.dealer.connect(address)
         dealer = stream.dealer
         dealer.send_multipart(request_frames(start))
         messages: list[Message] = []

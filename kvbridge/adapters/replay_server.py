@@ -34,6 +34,7 @@ from typing import Final, Self
 import structlog
 import zmq
 
+from kvbridge.adapters.endpoints import allow_ipv6
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
 
@@ -220,6 +221,7 @@ class ReplaySocket:
             # source (one payload) and the batches after it, then the end marker.
             self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 2))
             self._socket.copy_threshold = _SHARED_FRAME_BYTES
+            allow_ipv6(self._socket, endpoint)
             self._socket.bind(endpoint)
             self.endpoint: Final = last_endpoint(self._socket)
             """The actual bound address (ephemeral ports resolved)."""

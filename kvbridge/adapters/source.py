@@ -13,12 +13,7 @@ import msgspec
 from kvbridge.adapters.endpoints import should_bind
 from kvbridge.adapters.replay_protocol import seq8
 
-__all__ = ["Message", "Source", "StreamReset", "connect_address"]
-
-
-def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
-    """The address to connect to for an endpoint a peer binds (its wildcard host replaced)."""
-    return endpoint.replace("*", host, 1) if "*" in endpoint else endpoint
+__all__ = ["Message", "Source", "StreamReset"]
 
 
 class Source(msgspec.Struct, frozen=True):

@@ -62,6 +62,7 @@ import structlog
 import zmq
 
 from kvbridge._closing import ClosedOnExit
+from kvbridge.adapters.endpoints import allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_BYTES,
@@ -69,7 +70,7 @@ from kvbridge.adapters.replay_client import (
     ReplayClient,
 )
 from kvbridge.adapters.sequencing import Sequencer
-from kvbridge.adapters.source import Message, Source, StreamReset, connect_address
+from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import SubscriberStats
 
@@ -221,10 +222,11 @@ class Subscriber(ClosedOnExit):
             stream.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitors[stream.monitor] = stream
             self._poller.register(stream.monitor, zmq.POLLIN)
+        allow_ipv6(socket, source.endpoint)
         if source.subscriber_binds:
             socket.bind(source.endpoint)
         else:
-            stream.address = connect_address(source.endpoint)
+            stream.address = loopback(source.endpoint)
             socket.connect(stream.address)
         self._streams[socket] = stream
         self._poller.register(socket, zmq.POLLIN)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import structlog
 
+from kvbridge.adapters.endpoints import tcp_address
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
@@ -190,8 +191,8 @@ class RelayHop:
             relay = Relay(
                 [source],
                 block_size=raw.block_size,
-                publish=f"tcp://{self.host}:*",
-                publish_replay=f"tcp://{self.host}:*",
+                publish=tcp_address(self.host, "*"),
+                publish_replay=tcp_address(self.host, "*"),
                 replay_on_start=source.replay_endpoint is not None,
             )
             relays.append(relay)

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import structlog
 
+from kvbridge.adapters.endpoints import tcp_address
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.ray_integration.advert import KVEventsAdvert
@@ -71,8 +72,8 @@ class KVEventsReplica:
         self.kv_relay = Relay(
             sources,
             block_size=block_size,
-            publish=f"tcp://{self.kv_host}:{ports.relay}",
-            publish_replay=f"tcp://{self.kv_host}:{ports.relay_replay}",
+            publish=tcp_address(self.kv_host, ports.relay),
+            publish_replay=tcp_address(self.kv_host, ports.relay_replay),
             topic=topic,
         )
         published = {
