@@ -24,12 +24,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 from pathlib import Path
 
 import msgspec
 import pytest
 from support.raw_capture import HEADER, raw_capture
-from support.relay_process import RelayProcess, start_kvbridge
+from support.relay_process import RelayProcess, fetch_metrics, start_kvbridge
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
 from kvbridge.adapters.pipeline import StreamPipeline
@@ -306,6 +307,18 @@ BAD_ARGUMENTS = [
         "kvbridge relay: error: argument --metrics-port: tcp://127.0.0.1:6557 is the same socket as --publish tcp://*:6557",
     ),
     (
+        [*RELAY, "--publish", "tcp://*:6557", "--metrics-port", "6557", "--metrics-host", "::"],
+        "kvbridge relay: error: argument --metrics-port: tcp://[::]:6557 is the same socket as --publish tcp://*:6557",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://*:6557", "--metrics-host", "300.1.1.1"],
+        "kvbridge relay: error: argument --metrics-host: not an IPv4 or IPv6 address, a host name or *: '300.1.1.1'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://*:6557", "--metrics-host", "0.0.0.0"],
+        "kvbridge relay: error: argument --metrics-host: serves nothing without --metrics-port",
+    ),
+    (
         [
             "record",
             "--source",
@@ -352,6 +365,10 @@ BAD_ARGUMENTS = [
     (
         ["demo", "--metrics-port", "9100"],
         "kvbridge demo: error: argument --metrics-port: kvbridge demo serves no metrics (relay, record and watch do)",
+    ),
+    (
+        ["demo", "--metrics-host", "0.0.0.0"],
+        "kvbridge demo: error: argument --metrics-host: kvbridge demo serves no metrics (relay, record and watch do)",
     ),
     (
         ["validate", str(SAMPLE), "--metrics-port", "9100"],
@@ -875,6 +892,42 @@ def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:
     }
     assert resident == expected
     assert samples["kvbridge_restarts_total", frozenset()] == 0
+
+
+@pytest.mark.parametrize(
+    ("metrics_host", "logged", "answering", "refusing"),
+    [
+        (None, "127.0.0.1", ["127.0.0.1"], ["[::1]"]),
+        ("::1", "[::1]", ["[::1]"], ["127.0.0.1"]),
+        ("::", "[::]", ["127.0.0.1", "[::1]"], []),
+    ],
+)
+def test_metrics_are_served_where_metrics_host_says(
+    tmp_path: Path,
+    metrics_host: str | None,
+    logged: str,
+    answering: list[str],
+    refusing: list[str],
+) -> None:
+    """By default on 127.0.0.1 alone; ``--metrics-host`` moves them, ``::`` to every interface
+    of both families (what a Prometheus outside the relay's host needs)."""
+    port = free_port_range(3)
+    given = [] if metrics_host is None else ["--metrics-host", metrics_host]
+    with RelayProcess(
+        [
+            "--source", f"tcp://*:{port}", "--publish", f"tcp://127.0.0.1:{port + 1}",
+            "--block-size", "4", *given,
+        ],
+        metrics_port=port + 2,
+        log_path=tmp_path / "relay.log",
+        metrics_host=answering[0],
+    ) as relay:  # fmt: skip
+        for host in answering:
+            assert "kvbridge_batches_total" in fetch_metrics(port + 2, host=host)
+        for host in refusing:
+            with pytest.raises(urllib.error.URLError, match="Connection refused"):
+                fetch_metrics(port + 2, host=host)
+        assert f"url=http://{logged}:{port + 2}/metrics" in relay.log()
 
 
 def test_watch_prints_columns_and_no_lag_for_a_replay() -> None:

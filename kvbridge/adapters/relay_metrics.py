@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvbridge.adapters.replay_server import AnswerCut
 from kvbridge.adapters.stream_stats import (
@@ -25,7 +25,10 @@ if TYPE_CHECKING:
     from kvbridge.adapters.relay import Relay
     from kvbridge.adapters.subscriber import Subscriber
 
-__all__ = ["METRICS", "metrics_registry", "serve_metrics"]
+__all__ = ["METRICS", "METRICS_HOST", "metrics_registry", "serve_metrics"]
+
+METRICS_HOST: Final = "127.0.0.1"
+"""Where metrics are served unless told otherwise: this host alone."""
 
 METRICS: dict[str, str] = {
     "kvbridge_blocks_total": "Blocks by event type, tier and outcome (forwarded or a drop reason)",
@@ -172,7 +175,7 @@ def serve_metrics(
     *,
     relay: Relay | None = None,
     subscriber: Subscriber | None = None,
-    host: str = "127.0.0.1",
+    host: str = METRICS_HOST,
 ) -> None:
     """Serve metrics on ``http://host:port/metrics`` from a daemon thread: the relay's (or a
     bare subscriber's) counters, plus the process and Python metrics of prometheus-client."""

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvbridge.adapters.endpoints import Endpoint, EndpointError, parse_endpoint
+from kvbridge.adapters.endpoints import Endpoint, EndpointError, parse_endpoint, tcp_address
 from kvbridge.adapters.publisher import MAX_BUFFER_STEPS, MAX_HWM
 from kvbridge.adapters.subscriber import MAX_FRAME_BYTES
 from kvbridge.normalizers import MAX_BLOCK_SIZE
@@ -22,6 +22,7 @@ __all__ = [
     "frame_bytes",
     "hwm",
     "medium",
+    "metrics_host",
     "non_negative_float",
     "non_negative_int",
     "path",
@@ -84,6 +85,20 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}")
     return value
+
+
+def metrics_host(text: str) -> str:
+    """The host of ``--metrics-host``, checked as an endpoint's host is: ``*``, an IPv4
+    address, a host name, or an IPv6 address (in brackets or not; ``::`` for every interface).
+    Returned as an endpoint writes it (an IPv6 address in brackets)."""
+    try:
+        parsed = parse_endpoint(tcp_address(text, 1))
+    except EndpointError:
+        raise argparse.ArgumentTypeError(
+            f"not an IPv4 or IPv6 address, a host name or *: {text!r}"
+        ) from None
+    assert parsed.host is not None
+    return parsed.host
 
 
 def u64(text: str) -> int:

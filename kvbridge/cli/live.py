@@ -17,7 +17,7 @@ import structlog
 
 from kvbridge.adapters.endpoints import Endpoint, SilenceWatch
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.relay_metrics import serve_metrics
+from kvbridge.adapters.relay_metrics import METRICS_HOST, serve_metrics
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.cli.usage import MissingExtra, UsageError
@@ -81,8 +81,10 @@ def start_metrics(
         UsageError: the port cannot be bound.
     """
     if args.metrics_port is not None:
+        host = args.metrics_host or METRICS_HOST
+        served = "0.0.0.0" if host == "*" else host.strip("[]")
         try:
-            serve_metrics(args.metrics_port, relay=relay, subscriber=subscriber)
+            serve_metrics(args.metrics_port, relay=relay, subscriber=subscriber, host=served)
         except RuntimeError:  # prometheus-client is missing
             raise MissingExtra(
                 "--metrics-port needs prometheus-client, the extra 'metrics': pip install "
@@ -90,7 +92,8 @@ def start_metrics(
             ) from None
         except OSError as error:
             raise UsageError(
-                f"argument --metrics-port: cannot bind 127.0.0.1:{args.metrics_port}: "
+                f"argument --metrics-port: cannot bind {host}:{args.metrics_port}: "
                 f"{error.strerror or error}"
             ) from None
-        log.info("serving metrics", url=f"http://127.0.0.1:{args.metrics_port}/metrics")
+        url_host = "0.0.0.0" if host == "*" else host
+        log.info("serving metrics", url=f"http://{url_host}:{args.metrics_port}/metrics")

@@ -103,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument(
         "--metrics-port",
         type=arguments.port,
-        help="serve Prometheus metrics on this port (127.0.0.1)",
+        help="serve Prometheus metrics on this port (of --metrics-host)",
+    )
+    metrics.add_argument(
+        "--metrics-host",
+        type=arguments.metrics_host,
+        metavar="HOST",
+        help="the address metrics are served on: an IPv4 or IPv6 address or a host name, * for "
+        "every IPv4 interface, :: for every interface (default: 127.0.0.1)",
     )
     sources = _Parser(add_help=False)
     sources.add_argument(
@@ -163,13 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     ) -> argparse.ArgumentParser:
         """A command's parser, with ``run`` as its default. A live command (it follows engines'
         streams: relay, record, watch) takes the sources and serves metrics; any other refuses
-        ``--metrics-port`` with the reason. One that writes no log refuses ``--log-format``."""
+        ``--metrics-port`` and ``--metrics-host`` with the reason. One that writes no log
+        refuses ``--log-format``."""
         assert logs or not live, "a live command logs"
         parents = [log_format, metrics, sources] if live else [log_format] if logs else []
         added = commands.add_parser(name, parents=parents, **options)
         added.set_defaults(run=run, command_parser=added)
         if not live:
             refuse(added, "--metrics-port", f"kvbridge {name} serves no metrics ({_LIVE})")
+            refuse(added, "--metrics-host", f"kvbridge {name} serves no metrics ({_LIVE})")
         if not logs:
             refuse(added, "--log-format", f"kvbridge {name} writes no log")
             added.set_defaults(log_format="console")

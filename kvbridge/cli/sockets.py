@@ -16,7 +16,15 @@ from typing import Final
 import msgspec
 import zmq
 
-from kvbridge.adapters.endpoints import Endpoint, EndpointError, Mode, clash, parse_endpoint
+from kvbridge.adapters.endpoints import (
+    Endpoint,
+    EndpointError,
+    Mode,
+    clash,
+    parse_endpoint,
+    tcp_address,
+)
+from kvbridge.adapters.relay_metrics import METRICS_HOST
 from kvbridge.cli.usage import UsageError
 
 __all__ = [
@@ -91,8 +99,11 @@ def source_uses(args: argparse.Namespace) -> list[Use]:
 def check_uses(args: argparse.Namespace, uses: list[Use]) -> None:
     """Refuse two arguments that name the same socket; remember the uses to name the argument
     of a socket that fails to bind or connect."""
-    if getattr(args, "metrics_port", None) is not None:
-        metrics = parse_endpoint(f"tcp://127.0.0.1:{args.metrics_port}")
+    port, host = getattr(args, "metrics_port", None), getattr(args, "metrics_host", None)
+    if host is not None and port is None:
+        raise UsageError("argument --metrics-host: serves nothing without --metrics-port")
+    if port is not None:
+        metrics = parse_endpoint(tcp_address(host or METRICS_HOST, port))
         uses = [*uses, Use("--metrics-port", metrics, "bind")]
     for index, use in enumerate(uses):
         for earlier in uses[:index]:

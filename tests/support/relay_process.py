@@ -93,8 +93,9 @@ def parse_metrics(text: str) -> Samples:
     return samples
 
 
-def fetch_metrics(port: int, timeout: float = 2.0) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as answer:
+def fetch_metrics(port: int, timeout: float = 2.0, host: str = "127.0.0.1") -> str:
+    """The metrics text served on ``host`` (an IPv6 address in brackets) and ``port``."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as answer:
         text: str = answer.read().decode()
         return text
 
@@ -135,11 +136,20 @@ class RelayProcess(ClosedOnExit):
     """``kvbridge relay`` in a subprocess, ready once its metrics endpoint answers.
 
     ``args`` are the relay's arguments after ``relay`` (``--metrics-port`` is added). Its log
-    (stderr) goes to ``log_path`` so that a full pipe can never block it.
+    (stderr) goes to ``log_path`` so that a full pipe can never block it. ``metrics_host`` is
+    where its metrics are read (give ``--metrics-host`` in ``args`` to serve them elsewhere).
     """
 
-    def __init__(self, args: Sequence[str], *, metrics_port: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        metrics_port: int,
+        log_path: Path,
+        metrics_host: str = "127.0.0.1",
+    ) -> None:
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
@@ -162,7 +172,7 @@ class RelayProcess(ClosedOnExit):
                     f"kvbridge relay exited with {self.process.returncode}:\n{self.log()}"
                 )
             with contextlib.suppress(OSError, urllib.error.URLError):
-                fetch_metrics(self.metrics_port, timeout=0.5)
+                fetch_metrics(self.metrics_port, timeout=0.5, host=self.metrics_host)
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"kvbridge relay not serving metrics:\n{self.log()}")
@@ -173,7 +183,7 @@ class RelayProcess(ClosedOnExit):
         return self.log_path.read_text(errors="replace")
 
     def metrics_text(self) -> str:
-        return fetch_metrics(self.metrics_port)
+        return fetch_metrics(self.metrics_port, host=self.metrics_host)
 
     def metrics(self) -> Samples:
         return parse_metrics(self.metrics_text())
