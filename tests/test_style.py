@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -91,6 +92,20 @@ def test_fuzz_lock_is_current() -> None:
     kvbridge-core must reach that lock too, or the fuzz run resolves it afresh each time."""
     result = _cargo(
         "metadata", "--locked", "--format-version", "1", "--manifest-path", "fuzz/Cargo.toml"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_cargo_doc() -> None:
+    """The crates' docs build without a warning: no link to a private item, to nothing, or
+    to a name that means two things."""
+    result = subprocess.run(
+        ["cargo", "doc", "--locked", "--no-deps", "--workspace"],
+        cwd=NATIVE,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "RUSTDOCFLAGS": "-D warnings"},
     )
     assert result.returncode == 0, result.stderr
 

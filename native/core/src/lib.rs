@@ -1,6 +1,6 @@
 //! kvbridge's core: vLLM KV-event payloads of every release in, canonical Dynamo events out.
 //!
-//! [`decode`] reads a payload's msgpack without copying its strings, [`Normalizer`] keeps one
+//! [`decode()`] reads a payload's msgpack without copying its strings, [`Normalizer`] keeps one
 //! worker's state (canonical hashes, reference counts per dp rank and tier, placeholders,
 //! retired blocks, drop counters) and [`Output`] writes the result as bytes. No input can make
 //! any of it panic: every malformed payload is a [`SchemaError`].

@@ -236,7 +236,7 @@ impl Output {
 }
 
 impl Drop for Output {
-    /// Gives the buffers to [`SPARE`], cleared, unless it is full, they are large, or this
+    /// Gives the buffers to `SPARE`, cleared, unless it is full, they are large, or this
     /// thread makes no outputs.
     fn drop(&mut self) {
         let makes = MAKES.try_with(Cell::get).unwrap_or(false);

@@ -16,12 +16,14 @@
 //!
 //! A payload takes the first of three paths that accepts it:
 //!
-//! - [`fast`]: the shape vLLM writes, with nothing but fast paths;
-//! - [`decode_in_one_pass`]: any valid payload, each event decoded where it lies
-//!   ([`event`], its fields read by [`fields`]);
-//! - [`decode_batch`]: the exact path, which frames every event before decoding any and so
-//!   reports the error `decode_batch` reports ([`error`]). Unknown fields and extra keys are
-//!   checked as msgspec decodes a value of type `Any` ([`generic`]).
+//! - `fast`: the shape vLLM writes, with nothing but fast paths;
+//! - `decode_in_one_pass`: any valid payload, each event decoded where it lies
+//!   (`event`, its fields read by `fields`);
+//! - this module's `decode_batch`: the exact path, which frames every event before decoding
+//!   any and so reports the error the Python `decode_batch` reports (`error`).
+//!
+//! Unknown fields and extra keys are checked as msgspec decodes a value of type `Any`
+//! (`generic`).
 
 mod error;
 mod event;
@@ -56,7 +58,7 @@ impl Arena {
 /// A `BlockStored`; lists are ranges of the [`Arena`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Stored<'a> {
-    /// Engine hashes as u64 (see [`crate::hashing::engine_hash`]).
+    /// Engine hashes as u64 (an int as it is, a bytes hash by [`crate::hashing::engine_hash_bytes`]).
     pub hashes: Range<usize>,
     pub parent: Option<u64>,
     pub tokens: Range<usize>,

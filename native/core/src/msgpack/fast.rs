@@ -34,13 +34,13 @@ pub struct SmallUints {
     /// How many integers.
     pub count: usize,
     /// Whether each was in its shortest form, so that their bytes are what
-    /// [`write::small_uints`] writes for them.
+    /// [`super::write::small_uints`] writes for them.
     pub shortest: bool,
 }
 
 impl<'a> Reader<'a> {
     /// Consumes `bytes` if they come next: an item whose whole encoding is known (e.g. a
-    /// [`fixstr`]), matched in one comparison.
+    /// [`super::fixstr`]), matched in one comparison.
     #[inline(always)]
     pub fn consume<const N: usize>(&mut self, bytes: &[u8; N]) -> bool {
         let next = self.data.get(self.pos..).and_then(<[u8]>::first_chunk::<N>);

@@ -4,8 +4,8 @@
 //! the bytes left, a truncated value, invalid UTF-8 or nesting past [`MAX_DEPTH`] is an error,
 //! whatever the input.
 //!
-//! The general reads are here; [`fast`] holds the readers of the decoder's fast path (token
-//! ids, hashes, headers of the forms vLLM writes), and [`write`] the writers.
+//! The general reads are here; `fast` holds the readers of the decoder's fast path (token
+//! ids, hashes, headers of the forms vLLM writes), and [`write`](mod@write) the writers.
 
 mod fast;
 #[cfg(test)]

@@ -5,9 +5,9 @@
 //! through the engine hashes seen before, and whatever is not forwarded is counted by reason.
 //!
 //! This module holds the normalizer and its entry points; a batch's events go through
-//! [`admission`] (which tier takes them), then [`stores`] or [`removals`], which keep the
-//! per-rank state of `crate::state`. [`caps`] keeps that state within its [`Limits`],
-//! [`extra_keys`] reads what a store's extra keys add to its hashes, and [`counters`] holds
+//! `admission` (which tier takes them), then `stores` or `removals`, which keep the
+//! per-rank state of `crate::state`. `caps` keeps that state within its [`Limits`],
+//! `extra_keys` reads what a store's extra keys add to its hashes, and `counters` holds
 //! what is counted.
 
 mod admission;

@@ -12,8 +12,8 @@
 //! - reference counts live in the slot that owns the canonical block (the first live slot that
 //!   made it resident), as one byte per tier, with larger counts kept aside.
 //!
-//! This file holds the slab, its lookups and its accounting; [`tokens`] stores the token ids,
-//! [`refs`] the reference counts, [`scans`] the walks over a whole rank, and [`retired`] the
+//! This file holds the slab, its lookups and its accounting; `tokens` stores the token ids,
+//! `refs` the reference counts, `scans` the walks over a whole rank, and `retired` the
 //! retired blocks and the anchors a loss leaves.
 
 mod refs;
