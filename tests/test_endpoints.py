@@ -8,6 +8,7 @@ import zmq
 
 from kvbridge.adapters.endpoints import (
     Endpoint,
+    EndpointError,
     Mode,
     allow_ipv6,
     clash,
@@ -26,11 +27,27 @@ def test_an_ipv6_host_is_parsed_in_brackets() -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tcp://[::1]", "no port in 'tcp://[::1]' (expected tcp://HOST:PORT)"),
+        ("tcp://[::1]:", "port '' is not a number in 'tcp://[::1]:'"),
+        ("tcp://[::1:5557", "'[::1' in 'tcp://[::1:5557' is not a host: an IPv6 address goes in "
+         "brackets, tcp://[ADDRESS]:PORT"),
+    ],
+)  # fmt: skip
+def test_a_malformed_ipv6_endpoint_says_what_is_missing(text: str, message: str) -> None:
+    with pytest.raises(EndpointError) as error:
+        parse_endpoint(text)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
     ("address", "dialled"),
     [
         ("tcp://*:5557", "tcp://127.0.0.1:5557"),
         ("tcp://0.0.0.0:5557", "tcp://127.0.0.1:5557"),
         ("tcp://[::]:5557", "tcp://[::1]:5557"),
+        ("tcp://[0:0::0]:5557", "tcp://[::1]:5557"),
         ("tcp://[::1]:5557", "tcp://[::1]:5557"),
         ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5557"),
         ("ipc:///tmp/kv", "ipc:///tmp/kv"),
@@ -75,6 +92,10 @@ def test_tcp_address_brackets_an_ipv6_host(host: str, address: str) -> None:
         ("tcp://[::1]:5557", "bind", "tcp://[0:0::1]:5557", "connect", True),
         ("tcp://[::1]:5557", "bind", "tcp://127.0.0.1:5557", "bind", False),
         ("tcp://[FD00::5]:5557", "bind", "tcp://[fd00::5]:5557", "bind", True),
+        # an IPv4-mapped address is the IPv4 address
+        ("tcp://*:5557", "bind", "tcp://[::ffff:127.0.0.1]:5557", "connect", True),
+        ("tcp://10.0.0.1:5557", "bind", "tcp://[::ffff:10.0.0.1]:5557", "bind", True),
+        ("tcp://[::0]:5557", "bind", "tcp://[::1]:5557", "connect", True),
     ],
 )
 def test_clashes_follow_the_address_families(

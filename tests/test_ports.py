@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from support.ipv6 import requires_ipv6
 
 from kvbridge.adapters.ports import free_port_range, port_free
 
@@ -32,6 +33,18 @@ def test_a_bound_port_is_not_free() -> None:
         held.bind(("0.0.0.0", 0))
         held.listen()
         assert not port_free(held.getsockname()[1])
+
+
+@requires_ipv6
+def test_a_port_bound_on_ipv6_alone_is_not_free() -> None:
+    """A relay output on an IPv6 address takes its port there only."""
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with socket.socket() as ipv4:
+            ipv4.bind(("0.0.0.0", port))  # the IPv4 side of the port is free
+        assert not port_free(port)
 
 
 def test_a_count_that_is_not_positive_is_refused() -> None:

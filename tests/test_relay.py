@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from support.ipv6 import requires_ipv6
 from support.relay_process import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
 from support.selection_harness import Overlap, SelectionHarness
 
@@ -343,6 +344,7 @@ def test_dynamo_replays_from_the_relay(make_rig: Callable[..., Rig]) -> None:
     assert rig.relay.value("kvbridge_batches_total", direction="out") == 5
 
 
+@requires_ipv6
 def test_every_socket_of_the_way_speaks_ipv6(make_rig: Callable[..., Rig]) -> None:
     """The engine binds ``[::1]`` (the relay is given ``tcp://[::]:PORT``, vLLM's wildcard, and
     connects to ``[::1]``), the relay publishes on ``[::1]``, and Dynamo subscribes there. Every

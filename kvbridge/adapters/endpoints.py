@@ -17,8 +17,10 @@ subscribes to a remote engine that binds; ``bind:`` says the opposite. A replay 
 source is always connected to (the engine binds it), and the relay always binds its own outputs
 (Dynamo connects to them).
 
-A socket for an IPv6 address needs ZMQ's ``IPV6`` option, which :func:`allow_ipv6` sets, as
-vLLM sets it for its own sockets; a host name is resolved to IPv4, as by vLLM's sockets.
+A socket for an IPv6 address needs ZMQ's ``IPV6`` option, which :func:`allow_ipv6` sets on every
+socket kvbridge opens. vLLM's KV-event publisher does not set it, so an engine's own endpoint
+stays IPv4; kvbridge's outputs, and the engines it simulates, may be IPv6. A host name is
+resolved to IPv4, as by vLLM's sockets.
 
 Two arguments of one command must not name the same socket (:func:`clash`), and a source that
 has delivered nothing after a few seconds is reported once, with what to check
@@ -67,7 +69,7 @@ _WILDCARDS: Final = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
 """Each host that binds every interface, and the loopback a connection to it goes to."""
 _LOOPBACK_NAMES: Final = frozenset(("localhost", "127.0.0.1"))
 _SYNTAX: Final = (
-    "expected tcp://HOST:PORT (tcp://[IPv6]:PORT) or ipc://PATH, optionally after bind: or connect:"
+    "expected tcp://HOST:PORT, tcp://[IPv6]:PORT or ipc://PATH, optionally after bind: or connect:"
 )
 
 log = structlog.get_logger("kvbridge.endpoints")
@@ -108,9 +110,21 @@ def loopback(address: str) -> str:
     if not address.startswith("tcp://"):
         return address
     host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if _unspecified_ipv6(host):
+        host = "[::]"
     if host not in _WILDCARDS:
         return address
     return f"tcp://{_WILDCARDS[host]}:{port}"
+
+
+def _unspecified_ipv6(host: str) -> bool:
+    """Whether ``host`` is ``[::]`` however it is written (``[::0]``, ``[0:0::0]``...)."""
+    if not (host.startswith("[") and host.endswith("]")):
+        return False
+    try:
+        return ipaddress.IPv6Address(host[1:-1]).is_unspecified
+    except ValueError:
+        return False
 
 
 class EndpointError(ValueError):
@@ -196,7 +210,7 @@ def parse_endpoint(text: str) -> Endpoint:
             raise EndpointError(f"no name in {text!r} (expected inproc://NAME)")
         return Endpoint(address, scheme, mode)
     host, sep, port_text = rest.rpartition(":")
-    if not sep:
+    if not sep or (rest.startswith("[") and rest.endswith("]")):
         raise EndpointError(f"no port in {text!r} (expected tcp://HOST:PORT)")
     _check_host(host, text)
     if not (port_text.isascii() and port_text.isdigit()):
@@ -240,7 +254,10 @@ def _local(host: str) -> str:
     if host in _LOOPBACK_NAMES or host.startswith("127."):
         return "127.0.0.1"
     if host.startswith("["):
-        return f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        address = ipaddress.IPv6Address(host[1:-1])
+        if address.ipv4_mapped is not None:  # ::ffff:a.b.c.d is a.b.c.d
+            return _local(str(address.ipv4_mapped))
+        return f"[{address.compressed}]"
     return host.lower()
 
 

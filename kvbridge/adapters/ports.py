@@ -44,13 +44,21 @@ def _overlaps_held(base: int, count: int) -> bool:
 
 
 def port_free(port: int) -> bool:
-    """True if ``port`` can be bound on every interface (vLLM binds ``tcp://*:port``)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """True if ``port`` can be bound on every interface, IPv4 (vLLM binds ``tcp://*:port``) and
+    IPv6 (a relay output on an IPv6 address) where the host has IPv6."""
+    for family, wildcard in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return False
+            probe = socket.socket(family)
+        except OSError:  # no IPv6 on this host
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # this family alone: IPv4 was probed already
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((wildcard, port))
+            except OSError:
+                return False
     return True
 
 

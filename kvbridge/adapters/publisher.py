@@ -2,7 +2,8 @@
 
 :class:`Publisher` behaves like the ``ZmqEventPublisher`` of a vLLM engine, so tests and
 simulators can stand in for a real engine in front of a subscriber (``kvbridge`` itself, Dynamo's
-``SelectionService``, the standalone indexer...).
+``SelectionService``, the standalone indexer...). Unlike vLLM's, it can use an IPv6 address
+(:func:`~kvbridge.adapters.endpoints.allow_ipv6`).
 
 Live stream (PUB socket)
     Every batch is one three-frame message ``[topic, seq8, payload]``: the UTF-8 topic, the

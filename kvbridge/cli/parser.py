@@ -27,10 +27,11 @@ from kvbridge.cli.watch_command import run_watch
 __all__ = ["build_parser"]
 
 _ENDPOINT_HELP: Final = (
-    "[bind:|connect:]tcp://HOST:PORT or ipc://PATH. Without a prefix, vLLM's rule: a wildcard "
-    "host (tcp://*:5557) means the engine binds and kvbridge connects (to 127.0.0.1); any other "
-    "address means the engine connects, so kvbridge binds it. connect:tcp://10.1.2.3:5557 "
-    "subscribes to a remote engine that binds"
+    "[bind:|connect:]tcp://HOST:PORT, tcp://[IPv6]:PORT or ipc://PATH. Without a prefix, vLLM's "
+    "rule: a wildcard host (tcp://*:5557) or an address with :: in it means the engine binds "
+    "and kvbridge connects (to 127.0.0.1, or [::1] for [::]); any other address means the "
+    "engine connects, so kvbridge binds it. connect:tcp://10.1.2.3:5557 subscribes to a remote "
+    "engine that binds"
 )
 
 _LIVE: Final = "relay, record and watch do"
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=arguments.endpoint("--source-replay"),
         metavar="ENDPOINT",
         help="the engine's replay endpoint, the i-th for the i-th --source (always connected; "
-        "a wildcard host means 127.0.0.1)",
+        "a wildcard host means 127.0.0.1, [::] means [::1])",
     )
     sources.add_argument(
         "--worker-id",

@@ -60,7 +60,7 @@ def run_replay(args: argparse.Namespace) -> int:
     else:
         log.warning(f"{args.capture}: the capture has no frames")
     results = replay_streams(
-        [(use.endpoint.address, records) for use, (_, records) in plan],
+        [(use.address, records) for use, (_, records) in plan],
         bind=mode == "bind",
         pace=args.pace,
         wait_subscribers=args.wait_subscribers,

@@ -50,7 +50,8 @@ class Use(msgspec.Struct, frozen=True):
 
     @property
     def address(self) -> str:
-        """The address as ZMQ is given it (a wildcard host connected is 127.0.0.1)."""
+        """The address as ZMQ is given it (a wildcard host connected is its loopback:
+        127.0.0.1, or ``[::1]`` for ``[::]``)."""
         return self.endpoint.dialled(self.mode)
 
     def describe(self) -> str:
