@@ -816,27 +816,15 @@ def test_replay_binds_when_told_and_a_connecting_source_meets_it(tmp_path: Path)
     assert len(list(CaptureReader(out))) == 7
 
 
-def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path) -> None:
-    """``bind:tcp://*:P`` binds where vLLM's rule would connect; the replay connects to it."""
+@pytest.mark.parametrize("publish", ["tcp://127.0.0.1:{port}", "connect:tcp://*:{port}"])
+def test_bind_prefix_meets_a_replay_that_connects(tmp_path: Path, publish: str) -> None:
+    """``bind:tcp://*:P`` binds where vLLM's rule would connect; the replay connects to it, at
+    127.0.0.1, or at a wildcard, which it connects to on 127.0.0.1 as the clash check takes it."""
     port = free_port_range(2)
     out = tmp_path / "again.kvcap"
     replay, code, err = record_the_replay(
         out, f"bind:tcp://*:{port}", f"bind:tcp://*:{port + 1}", "--block-size", "4",
-        publish=f"tcp://127.0.0.1:{port}",
-    )  # fmt: skip
-    assert replay.returncode == 0, replay.stderr
-    assert code == 0, err
-    assert len(list(CaptureReader(out))) == 7
-
-
-def test_replay_connecting_to_a_wildcard_connects_to_the_loopback(tmp_path: Path) -> None:
-    """``replay --publish connect:tcp://*:P`` connects to 127.0.0.1, as the clash check takes
-    it: here to a recorder that binds there."""
-    port = free_port_range(2)
-    out = tmp_path / "again.kvcap"
-    replay, code, err = record_the_replay(
-        out, f"bind:tcp://*:{port}", f"bind:tcp://*:{port + 1}", "--block-size", "4",
-        publish=f"connect:tcp://*:{port}",
+        publish=publish.format(port=port),
     )  # fmt: skip
     assert replay.returncode == 0, replay.stderr
     assert code == 0, err
