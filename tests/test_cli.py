@@ -721,6 +721,32 @@ def test_a_port_in_use_names_the_argument() -> None:
     assert result.returncode == 2
 
 
+@pytest.mark.parametrize(
+    ("host", "taken", "line"),
+    [
+        (None, True, "argument --metrics-port: cannot bind 127.0.0.1:{port}: Address already in use"),
+        ("127.0.0.1", True, "argument --metrics-port: cannot bind 127.0.0.1:{port}: Address already in use"),
+        ("192.0.2.1", False, "argument --metrics-host: cannot bind 192.0.2.1:{port}: Cannot assign requested address"),
+    ],
+)  # fmt: skip
+def test_metrics_that_cannot_be_served_name_the_argument_at_fault(
+    host: str | None, taken: bool, line: str
+) -> None:
+    """A port in use is --metrics-port's fault; an address not of this host, --metrics-host's."""
+    port = free_port_range(2)
+    given = [] if host is None else ["--metrics-host", host]
+    with socket.socket() as holder:
+        if taken:
+            holder.bind(("127.0.0.1", port + 1))
+            holder.listen()
+        result = kvbridge(
+            "record", "--source", f"tcp://127.0.0.1:{port}", "--out", "/dev/null", "--count", "1",
+            "--metrics-port", str(port + 1), *given,
+        )  # fmt: skip
+    assert result.stderr.splitlines() == [f"kvbridge record: error: {line.format(port=port + 1)}"]
+    assert result.returncode == 2
+
+
 # --------------------------------------------------------------------------- 3. validate
 
 

@@ -9,6 +9,7 @@ the same thing in every command.
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import threading
 from collections.abc import Sequence
@@ -91,8 +92,11 @@ def start_metrics(
                 "prometheus-client (or, in a clone, pip install '.[metrics]')"
             ) from None
         except OSError as error:
+            # A port in use is the port's fault; any other failure is the given host's.
+            given_host = args.metrics_host is not None and error.errno != errno.EADDRINUSE
+            flag = "--metrics-host" if given_host else "--metrics-port"
             raise UsageError(
-                f"argument --metrics-port: cannot bind {host}:{args.metrics_port}: "
+                f"argument {flag}: cannot bind {host}:{args.metrics_port}: "
                 f"{error.strerror or error}"
             ) from None
         url_host = "0.0.0.0" if host == "*" else host
