@@ -47,6 +47,33 @@ def test_a_port_bound_on_ipv6_alone_is_not_free() -> None:
         assert not port_free(port)
 
 
+class _Always(random.Random):
+    """Picks the same start every time: the search must walk from it."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__(0)
+        self.start = start
+
+    def randrange(self, *_: object, **__: object) -> int:  # type: ignore[override]
+        return self.start
+
+
+def test_held_and_taken_ports_move_the_search_past_them() -> None:
+    """A start inside a range handed out a moment ago, before a port in use: the search is not
+    tried again and again from there, it goes on past the held range, then past the port."""
+    first = free_port_range(20)  # held for a few seconds
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", first + 25))
+        taken.listen()
+        base = free_port_range(8, rng=_Always(first + 5))
+    assert base == first + 26
+
+
+def test_no_range_that_long_is_an_error() -> None:
+    with pytest.raises(OSError, match=r"^no 40000 consecutive free TCP ports in 20000-\d+$"):
+        free_port_range(40_000)
+
+
 def test_a_count_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match="count must be positive, got 0"):
         free_port_range(0)

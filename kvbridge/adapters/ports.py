@@ -18,7 +18,6 @@ from typing import Final
 __all__ = ["free_port_range", "port_free"]
 
 _LOWEST_PORT: Final = 20_000
-_PORT_ATTEMPTS: Final = 200
 _HELD_S: Final = 10.0
 """How long a range handed out is not handed out again: the time its caller has to bind it."""
 
@@ -38,9 +37,14 @@ def _port_range() -> tuple[int, int]:
     return _LOWEST_PORT, max(ephemeral, _LOWEST_PORT + 1_000)
 
 
-def _overlaps_held(base: int, count: int) -> bool:
-    """True if ``base .. base + count`` shares a port with a range still held."""
-    return any(base < held.stop and held.start < base + count for _, held in _held)
+def _is_held(port: int) -> bool:
+    """True if ``port`` is in a range still held."""
+    return any(port in held for _, held in _held)
+
+
+def _first_taken(base: int, count: int) -> int | None:
+    """The first port of ``base .. base + count`` that is held or not free, if any."""
+    return next((p for p in range(base, base + count) if _is_held(p) or not port_free(p)), None)
 
 
 def port_free(port: int) -> bool:
@@ -65,9 +69,13 @@ def port_free(port: int) -> bool:
 def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
     """The first of ``count`` consecutive TCP ports that are free on every interface.
 
+    The search starts at a random port (so that processes looking at the same time seldom
+    meet) and walks up the range, wrapping once to its bottom, each taken port moving the
+    start past it: it finds a free range whenever one exists, each port probed at most twice.
+
     Raises:
         ValueError: ``count`` is not positive.
-        OSError: no free range after a few hundred attempts.
+        OSError: no ``count`` consecutive free ports in the range.
     """
     if count <= 0:
         raise ValueError(f"count must be positive, got {count}")
@@ -76,11 +84,18 @@ def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
     with _holding:
         now = time.monotonic()
         _held[:] = [(until, held) for until, held in _held if until > now]
-        for _ in range(_PORT_ATTEMPTS):
-            base = rng.randrange(low, high - count)
-            if _overlaps_held(base, count):
-                continue
-            if all(port_free(base + offset) for offset in range(count)):
-                _held.append((now + _HELD_S, range(base, base + count)))
-                return base
+        if count <= high - low:
+            start = rng.randrange(low, high - count + 1)
+            base, wrapped = start, False
+            while not (wrapped and base > start):
+                if base + count > high:
+                    if wrapped:
+                        break
+                    base, wrapped = low, True
+                    continue
+                taken = _first_taken(base, count)
+                if taken is None:
+                    _held.append((now + _HELD_S, range(base, base + count)))
+                    return base
+                base = taken + 1
     raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}")
