@@ -331,7 +331,17 @@ def test_data_parallel_ranks(ray_cluster: None) -> None:
         (s.answers[turn]["replica"], s.answers[turn]["dp_rank"]) for turn in range(3) for s in work
     ]
     assert [(d.replica_id, d.dp_rank) for d in decisions] == placed
-    assert len({pair for pair in placed[: len(work)]}) == 4, "first turns use all four ranks"
+    # Dynamo scores every (replica, rank). A first turn, with no cache and nothing in flight,
+    # goes where Dynamo breaks the tie: 16 of them left one of the four unused in one run
+    # (4 * (3/4)**16, about 1 in 25, if ties fall at random), so only both ranks are asserted
+    # to be picked (and passed to the replica).
+    scored = state.client.call_sync(
+        "overlap_scores", {"token_ids": work[0].tokens, "model_name": state.model_name}
+    )["workers"]
+    assert sorted((int(w["worker_id"]), int(w["dp_rank"])) for w in scored) == sorted(
+        (worker_id_for(replica), rank) for replica in replicas for rank in (0, 1)
+    )
+    assert {rank for _, rank in placed[: len(work)]} == {0, 1}
     for session in work:
         pairs = [(a["replica"], a["dp_rank"]) for a in session.answers]
         assert pairs == [pairs[0]] * 3, pairs
