@@ -49,8 +49,16 @@ def test_mypy_strict() -> None:
 NATIVE = ROOT / "native"
 
 
-def _cargo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["cargo", *args], cwd=NATIVE, capture_output=True, text=True, check=False)
+def _cargo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``cargo ARGS`` in native/, with ``env`` added to this process's environment."""
+    return subprocess.run(
+        ["cargo", *args],
+        cwd=NATIVE,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **env},
+    )
 
 
 def test_cargo_fmt() -> None:
@@ -99,14 +107,7 @@ def test_fuzz_lock_is_current() -> None:
 def test_cargo_doc() -> None:
     """The crates' docs build without a warning: no link to a private item, to nothing, or
     to a name that means two things."""
-    result = subprocess.run(
-        ["cargo", "doc", "--locked", "--no-deps", "--workspace"],
-        cwd=NATIVE,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "RUSTDOCFLAGS": "-D warnings"},
-    )
+    result = _cargo("doc", "--locked", "--no-deps", "--workspace", RUSTDOCFLAGS="-D warnings")
     assert result.returncode == 0, result.stderr
 
 

@@ -90,7 +90,7 @@ def port(text: str) -> int:
 def metrics_host(text: str) -> str:
     """The host of ``--metrics-host``, checked as an endpoint's host is: ``*``, an IPv4
     address, a host name, or an IPv6 address (in brackets or not; ``::`` for every interface).
-    Returned as an endpoint writes it (an IPv6 address in brackets)."""
+    Returned as an endpoint writes it (an IPv6 address in brackets), ``*`` as ``0.0.0.0``."""
     try:
         parsed = parse_endpoint(tcp_address(text, 1))
     except EndpointError:
@@ -98,7 +98,7 @@ def metrics_host(text: str) -> str:
             f"not an IPv4 or IPv6 address, a host name or *: {text!r}"
         ) from None
     assert parsed.host is not None
-    return parsed.host
+    return "0.0.0.0" if parsed.host == "*" else parsed.host
 
 
 def u64(text: str) -> int:

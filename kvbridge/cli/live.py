@@ -83,9 +83,10 @@ def start_metrics(
     """
     if args.metrics_port is not None:
         host = args.metrics_host or METRICS_HOST
-        served = "0.0.0.0" if host == "*" else host.strip("[]")
         try:
-            serve_metrics(args.metrics_port, relay=relay, subscriber=subscriber, host=served)
+            serve_metrics(
+                args.metrics_port, relay=relay, subscriber=subscriber, host=host.strip("[]")
+            )
         except RuntimeError:  # prometheus-client is missing
             raise MissingExtra(
                 "--metrics-port needs prometheus-client, the extra 'metrics': pip install "
@@ -99,5 +100,4 @@ def start_metrics(
                 f"argument {flag}: cannot bind {host}:{args.metrics_port}: "
                 f"{error.strerror or error}"
             ) from None
-        url_host = "0.0.0.0" if host == "*" else host
-        log.info("serving metrics", url=f"http://{url_host}:{args.metrics_port}/metrics")
+        log.info("serving metrics", url=f"http://{host}:{args.metrics_port}/metrics")
