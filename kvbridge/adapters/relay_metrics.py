@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.adapters.replay_server import AnswerCut
 from kvbridge.adapters.stream_stats import (
@@ -25,10 +25,7 @@ if TYPE_CHECKING:
     from kvbridge.adapters.relay import Relay
     from kvbridge.adapters.subscriber import Subscriber
 
-__all__ = ["METRICS", "METRICS_HOST", "metrics_registry", "serve_metrics"]
-
-METRICS_HOST: Final = "127.0.0.1"
-"""Where metrics are served unless told otherwise: this host alone."""
+__all__ = ["METRICS", "metrics_registry"]
 
 METRICS: dict[str, str] = {
     "kvbridge_blocks_total": "Blocks by event type, tier and outcome (forwarded or a drop reason)",
@@ -161,34 +158,10 @@ def _counter(name: str, labels: list[str]) -> Any:
 
 def metrics_registry(relay: Relay | None = None, subscriber: Subscriber | None = None) -> Any:
     """A ``prometheus_client.CollectorRegistry`` holding a relay's (or a bare subscriber's)
-    metrics, the ones :func:`serve_metrics` serves, for an exporter of one's own or a test
-    (``prometheus_client.generate_latest(registry)``)."""
+    metrics, for an exporter of one's own or a test (``prometheus_client.generate_latest
+    (registry)``); :func:`~kvbridge.adapters.status_server.serve_metrics` adds the process's."""
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
     registry.register(_Collector(relay, subscriber))
     return registry
-
-
-def serve_metrics(
-    port: int,
-    *,
-    relay: Relay | None = None,
-    subscriber: Subscriber | None = None,
-    host: str = METRICS_HOST,
-) -> None:
-    """Serve metrics on ``http://host:port/metrics`` from a daemon thread: the relay's (or a
-    bare subscriber's) counters, plus the process and Python metrics of prometheus-client."""
-    try:
-        from prometheus_client import CollectorRegistry, start_http_server
-    except ImportError as error:
-        raise RuntimeError(
-            "--metrics-port needs the metrics extra: pip install 'kvbridge[metrics]'"
-        ) from error
-    from prometheus_client import REGISTRY
-
-    registry = REGISTRY
-    if relay is not None or subscriber is not None:
-        registry = CollectorRegistry()
-        registry.register(_Collector(relay, subscriber))
-    start_http_server(port, addr=host, registry=registry)

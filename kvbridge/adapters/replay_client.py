@@ -59,6 +59,10 @@ class ReplayClient:
     maxmsgsize: int
     rcvhwm: int
     max_gap: int
+    fetched_at: float = 0.0
+    """When the last replay ended (``time.monotonic()``), answered or not: a poll that
+    replays many streams is still moving on (:attr:`Subscriber.progressed_at
+    <kvbridge.adapters.subscriber.Subscriber.progressed_at>`)."""
 
     def check_publisher(self, stream: StreamState, last: int) -> list[Message] | None:
         """After a reconnect: the replay from ``last`` if its first batch is the one delivered
@@ -187,6 +191,7 @@ class ReplayClient:
                 )
                 self.close_dealer(stream)  # the rest of this answer must not be the next one's
                 break
+        self.fetched_at = time.monotonic()
         return messages
 
     def close_dealer(self, stream: StreamState) -> None:

@@ -55,6 +55,7 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Final
 
@@ -183,6 +184,7 @@ class Subscriber(ClosedOnExit):
         self._next_first = 0
         """Where the next poll starts its round-robin (the source after the last served)."""
         self._monitor = monitor
+        self._polled_at = time.monotonic()
         for source in sources:
             stream = StreamState(
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
@@ -200,6 +202,26 @@ class Subscriber(ClosedOnExit):
         """The seq of the last batch delivered from ``source``, ``None`` before the first;
         ``KeyError`` for a source this subscriber does not read."""
         return self._by_source[source].last
+
+    @property
+    def progressed_at(self) -> float:
+        """When the loop that polls this subscriber last moved on (``time.monotonic()``): it
+        began a poll, or a replay ended. A loop that stopped, dead or stuck, is what a health
+        check looks for (see :mod:`~kvbridge.adapters.status_server`); a poll that replays
+        many streams (at start-up, or after gaps) moves on with each replay, each bounded by
+        the replay timeout."""
+        return max(self._polled_at, self.replay_client.fetched_at)
+
+    @property
+    def sources(self) -> list[Source]:
+        """The sources read, in the order given."""
+        return list(self._by_source)
+
+    def suspended(self, source: Source) -> bool:
+        """Whether ``source``'s stream is suspended: it needed a clear while its clear tokens
+        were spent, and everything it sends is skipped until one is back (see
+        :mod:`~kvbridge.adapters.stream_state`)."""
+        return self._by_source[source].suspended
 
     @property
     def _maxmsgsize(self) -> int:
@@ -250,6 +272,7 @@ class Subscriber(ClosedOnExit):
         ``source_budget`` messages from one source and ``poll_budget`` in all. What is left
         waits in ZMQ's queue (up to ``RCVHWM``) for the next poll.
         """
+        self._polled_at = time.monotonic()
         out: list[Message | StreamReset] = []
         while self._starting:
             stream = self._starting.pop(0)

@@ -18,8 +18,8 @@ import structlog
 
 from kvbridge.adapters.endpoints import Endpoint, SilenceWatch
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.relay_metrics import METRICS_HOST, serve_metrics
 from kvbridge.adapters.source import Source
+from kvbridge.adapters.status_server import HEALTH_PATH, METRICS_HOST, serve_metrics
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.cli.usage import MissingExtra, UsageError
 
@@ -100,4 +100,5 @@ def start_metrics(
                 f"argument {flag}: cannot bind {host}:{args.metrics_port}: "
                 f"{error.strerror or error}"
             ) from None
-        log.info("serving metrics", url=f"http://{host}:{args.metrics_port}/metrics")
+        url = f"http://{host}:{args.metrics_port}"
+        log.info("serving metrics", url=f"{url}/metrics", health=f"{url}{HEALTH_PATH}")

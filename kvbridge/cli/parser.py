@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument(
         "--metrics-port",
         type=arguments.port,
-        help="serve Prometheus metrics on this port (of --metrics-host)",
+        help="serve Prometheus metrics (/metrics) and a health check (/healthz) on this port "
+        "(of --metrics-host)",
     )
     metrics.add_argument(
         "--metrics-host",

@@ -24,7 +24,7 @@ from kvbridge.adapters.endpoints import (
     parse_endpoint,
     tcp_address,
 )
-from kvbridge.adapters.relay_metrics import METRICS_HOST
+from kvbridge.adapters.status_server import METRICS_HOST
 from kvbridge.cli.usage import UsageError
 
 __all__ = [

@@ -1,0 +1,202 @@
+"""The HTTP endpoint of the long-running commands (``kvbridge.adapters.status_server``):
+``/healthz`` follows the loop that polls the sources, not the server's own thread, and says
+where each source's stream stands; ``/metrics`` adds the process's metrics to kvbridge's.
+
+Real ZMQ sockets on 127.0.0.1 and a real HTTP server; ``kvbridge relay`` in a subprocess for
+the command's own endpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from support.relay_process import RelayProcess, parse_metrics
+
+from kvbridge.adapters.ports import free_port_range
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.source import Source
+from kvbridge.adapters.status_server import DEFAULT_STALL_S, Health, SourceHealth, serve_metrics
+from kvbridge.adapters.subscriber import Subscriber
+
+TIMEOUT = 5.0
+STALL_S = 0.4
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    """The status and body of ``GET http://127.0.0.1:port/path``, an error status included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def healthz(port: int) -> tuple[int, Health]:
+    status, body = get(port, "/healthz")
+    return status, msgspec.json.decode(body, type=Health)
+
+
+@contextmanager
+def served(
+    ctx: zmq.Context[zmq.Socket[bytes]], **options: Any
+) -> Iterator[tuple[Publisher, Subscriber, Source, int]]:
+    """An engine's publisher, a subscriber to it (``options``) as worker 7, and the status
+    server of that subscriber on a free port, with a stall bound of :data:`STALL_S`."""
+    publisher = Publisher("tcp://127.0.0.1:0", bind=True, context=ctx)
+    source = Source(f"tcp://*:{publisher.endpoint.rsplit(':', 1)[1]}", None, 7)
+    port = free_port_range(1)
+    with publisher, Subscriber([source], context=ctx, **options) as subscriber:
+        server = serve_metrics(port, subscriber=subscriber, stall_s=STALL_S)
+        try:
+            assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+            yield publisher, subscriber, source, port
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def deliver(subscriber: Subscriber, source: Source, seq: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while subscriber.last_seq(source) != seq:
+        assert time.monotonic() < deadline, f"seq {seq} never arrived: {subscriber.stats}"
+        subscriber.poll(20)
+
+
+def test_healthz_follows_the_loop_that_polls(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """200 while the loop polls; 503 once it has not polled for the stall bound, though the
+    server's own thread still answers; 200 again when polling resumes."""
+    with served(ctx) as (publisher, subscriber, source, port):
+        for seq in range(3):
+            publisher.publish(b"x", seq=seq)
+        deliver(subscriber, source, 2)
+
+        status, report = healthz(port)
+        assert status == 200
+        assert report.status == "ok"
+        assert 0 <= report.last_poll_s < STALL_S
+        assert report.stall_s == STALL_S
+        expected = SourceHealth(source.endpoint, worker_id=7, last_seq=2, suspended=False)
+        assert report.sources == [expected]
+
+        time.sleep(STALL_S + 0.1)
+        status, report = healthz(port)
+        assert status == 503
+        assert report.status == "stalled"
+        assert report.last_poll_s > STALL_S
+        assert report.sources == [expected]
+
+        subscriber.poll(0)
+        status, report = healthz(port)
+        assert (status, report.status) == (200, "ok")
+
+
+def test_healthz_shows_a_suspended_stream_and_stays_healthy(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A stream whose clears are spent is suspended: ``/healthz`` says so, and answers 200, as
+    the process relays its other sources and a restart would not mend this one."""
+    with served(ctx, clear_burst=1, clear_interval=3600.0) as (publisher, subscriber, source, port):
+        for seq in (0, 1, 0, 1, 0):  # two restarts: the first takes the only clear token
+            publisher.publish(b"x", seq=seq)
+        deadline = time.monotonic() + TIMEOUT
+        while subscriber.stats.messages < 5:
+            assert time.monotonic() < deadline, subscriber.stats
+            subscriber.poll(20)
+        assert subscriber.stats.restarts == 1
+
+        status, report = healthz(port)
+    assert status == 200
+    assert report.sources == [SourceHealth(source.endpoint, 7, last_seq=1, suspended=True)]
+
+
+def test_metrics_add_the_process_metrics(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with served(ctx) as (publisher, subscriber, source, port):
+        publisher.publish(b"x", seq=0)
+        deliver(subscriber, source, 0)
+        status, body = get(port, "/metrics")
+    assert status == 200
+    samples = parse_metrics(body.decode())
+    assert samples["kvbridge_restarts_total", frozenset()] == 0
+    assert samples["process_resident_memory_bytes", frozenset()] > 10**6
+    assert samples["process_open_fds", frozenset()] > 0
+    assert ("python_info", "implementation") in {
+        (name, key) for name, labels in samples for key, _ in labels
+    }
+
+
+def test_the_relay_command_serves_its_health(tmp_path: Path) -> None:
+    """``kvbridge relay --metrics-port`` answers ``/healthz`` with each source, in the order
+    given, and logs where."""
+    port = free_port_range(5)  # sources, outputs (offset per source), metrics
+    first, second = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    with RelayProcess(
+        [
+            "--source", first, "--worker-id", "4", "--source", second, "--worker-id", "9",
+            "--publish", f"tcp://127.0.0.1:{port + 2}", "--block-size", "4",
+        ],
+        metrics_port=port + 4,
+        log_path=tmp_path / "relay.log",
+    ) as relay:  # fmt: skip
+        status, report = healthz(port + 4)
+        log = relay.log()
+    assert status == 200
+    assert report.status == "ok"
+    assert report.stall_s == DEFAULT_STALL_S
+    assert report.sources == [
+        SourceHealth(first, 4, last_seq=None, suspended=False),
+        SourceHealth(second, 9, last_seq=None, suspended=False),
+    ]
+    assert f"health=http://127.0.0.1:{port + 4}/healthz" in log
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/"])
+def test_other_paths_get_the_metrics(ctx: zmq.Context[zmq.Socket[bytes]], path: str) -> None:
+    with served(ctx) as (_, _, _, port):
+        status, body = get(port, path)
+    assert status == 200
+    assert b"kvbridge_gaps_total 0.0" in body
+
+
+def test_healthz_stays_ok_through_a_poll_that_replays_many_streams(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A poll that replays four streams at start-up, each replay waiting out its timeout as no
+    one answers, lasts longer than the stall bound; each replay's end is the loop moving on,
+    so ``/healthz`` answers 200 throughout."""
+    port = free_port_range(8)
+    sources = [
+        Source(f"tcp://127.0.0.1:{port + i}", f"tcp://127.0.0.1:{port + 4 + i}", worker_id=i)
+        for i in range(4)
+    ]
+    replay_timeout, stall_s = 0.3, 0.5
+    with Subscriber(
+        sources, context=ctx, replay_on_start=True, replay_timeout=replay_timeout
+    ) as subscriber:
+        server = serve_metrics(free_port_range(1), subscriber=subscriber, stall_s=stall_s)
+        try:
+            poll = threading.Thread(target=subscriber.poll, args=(0,))
+            began = time.monotonic()
+            poll.start()
+            statuses = []
+            while poll.is_alive():
+                statuses.append(healthz(server.server_port)[0])
+                time.sleep(0.05)
+            poll.join()
+            took = time.monotonic() - began
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert took >= 4 * replay_timeout > stall_s
+    assert len(statuses) >= 10
+    assert set(statuses) == {200}
+    assert subscriber.stats.replay_timeouts == 4
