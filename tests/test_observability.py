@@ -123,6 +123,8 @@ def test_every_relay_metric_is_exported(
     assert set(names) == set(METRICS)
     assert names["kvbridge_blocks_total"] == {"worker", "type", "tier", "outcome"}
     assert names["kvbridge_resident_blocks"] == {"worker", "dp_rank", "tier"}
+    assert names["kvbridge_stream_suspended"] == {"worker", "endpoint"}
+    assert names["kvbridge_last_poll_age_seconds"] == set()
 
 
 def test_router_metrics_as_ray_exports_them() -> None:
@@ -249,7 +251,7 @@ def test_the_dashboard_shows_every_metric(exported: Exported) -> None:
     assert families <= shown, families - shown
 
 
-def test_the_rules_cover_silence_losses_lag_and_fallbacks() -> None:
+def test_the_rules_cover_silence_losses_lag_stalls_and_fallbacks() -> None:
     rules = yaml.safe_load(RULES.read_text())
     alerts = {rule["alert"]: rule for group in rules["groups"] for rule in group["rules"]}
     assert set(alerts) == {
@@ -259,6 +261,8 @@ def test_the_rules_cover_silence_losses_lag_and_fallbacks() -> None:
         "KvbridgeBatchesLost",
         "KvbridgeLagHigh",
         "KvbridgeBadFrames",
+        "KvbridgeRelayStalled",
+        "KvbridgeStreamSuspended",
         "KvbridgeRouterFallbackRate",
         "KvbridgeRouterSlowDecisions",
     }
@@ -288,7 +292,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_checks_the_rules() -> None:
     result = promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 @needs_promtool

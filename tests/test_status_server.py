@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from support.relay_process import RelayProcess, parse_metrics
+from support.relay_process import RelayProcess, Samples, parse_metrics
 
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
@@ -39,6 +39,12 @@ def get(port: int, path: str) -> tuple[int, bytes]:
             return answer.status, answer.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
+
+
+def metrics(port: int) -> Samples:
+    status, body = get(port, "/metrics")
+    assert status == 200
+    return parse_metrics(body.decode())
 
 
 def healthz(port: int) -> tuple[int, Health]:
@@ -94,6 +100,8 @@ def test_healthz_follows_the_loop_that_polls(ctx: zmq.Context[zmq.Socket[bytes]]
         assert report.status == "stalled"
         assert report.last_poll_s > STALL_S
         assert report.sources == [expected]
+        age = metrics(port)["kvbridge_last_poll_age_seconds", frozenset()]
+        assert report.last_poll_s <= age < report.last_poll_s + 1.0
 
         subscriber.poll(0)
         status, report = healthz(port)
@@ -115,17 +123,19 @@ def test_healthz_shows_a_suspended_stream_and_stays_healthy(
         assert subscriber.stats.restarts == 1
 
         status, report = healthz(port)
+        samples = metrics(port)
     assert status == 200
     assert report.sources == [SourceHealth(source.endpoint, 7, last_seq=1, suspended=True)]
+    labels = frozenset({("worker", "7"), ("endpoint", source.endpoint)})
+    assert samples["kvbridge_stream_suspended", labels] == 1
+    assert samples["kvbridge_bad_frames_total", frozenset({("reason", "throttled")})] == 1
 
 
 def test_metrics_add_the_process_metrics(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     with served(ctx) as (publisher, subscriber, source, port):
         publisher.publish(b"x", seq=0)
         deliver(subscriber, source, 0)
-        status, body = get(port, "/metrics")
-    assert status == 200
-    samples = parse_metrics(body.decode())
+        samples = metrics(port)
     assert samples["kvbridge_restarts_total", frozenset()] == 0
     assert samples["process_resident_memory_bytes", frozenset()] > 10**6
     assert samples["process_open_fds", frozenset()] > 0

@@ -7,6 +7,7 @@ counters into metric families when Prometheus scrapes, so the hot path pays noth
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,10 @@ METRICS: dict[str, str] = {
     "kvbridge_tracked_blocks": "Engine hashes the state holds per worker, by state: live, retired",
     "kvbridge_lag_seconds": "Time from the engine step to the relay, last batch per worker",
     "kvbridge_resident_blocks": "Distinct blocks resident per worker, dp rank and tier",
+    "kvbridge_last_poll_age_seconds": "Seconds since the loop that polls the sources last moved "
+    "on (began a poll, or ended a replay); /healthz answers 503 past its bound",
+    "kvbridge_stream_suspended": "1 while a source's stream is suspended (its clears spent: "
+    "skipped until a clear token is back), else 0",
 }
 """Every metric kvbridge exports, with its help text."""
 
@@ -128,12 +133,24 @@ class _Collector:
         yield from _families(relay.stats, relay.output_stats)
 
     def _subscriber_metrics(self, subscriber: Subscriber) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
         own = () if self.relay is None else (self.relay.stats,)
         bad = _counter("kvbridge_bad_frames_total", ["reason"])
         for reason, count in bad_frames(*own, subscriber.stats).items():
             bad.add_metric([reason.value], count)
         yield bad
         yield from _families(subscriber.stats)
+        name = "kvbridge_last_poll_age_seconds"
+        yield GaugeMetricFamily(
+            name, METRICS[name], value=time.monotonic() - subscriber.progressed_at
+        )
+        name = "kvbridge_stream_suspended"
+        suspended = GaugeMetricFamily(name, METRICS[name], labels=["worker", "endpoint"])
+        for source in subscriber.sources:
+            labels = [str(source.worker_id), source.endpoint]
+            suspended.add_metric(labels, int(subscriber.suspended(source)))
+        yield suspended
 
 
 def _families(*stats: SubscriberStats | PipelineStats | OutputStats) -> list[Any]:
