@@ -124,7 +124,7 @@ def test_every_relay_metric_is_exported(
     assert names["kvbridge_blocks_total"] == {"worker", "type", "tier", "outcome"}
     assert names["kvbridge_resident_blocks"] == {"worker", "dp_rank", "tier"}
     assert names["kvbridge_stream_suspended"] == {"worker", "endpoint"}
-    assert names["kvbridge_last_poll_age_seconds"] == set()
+    assert names["kvbridge_progress_age_seconds"] == set()
 
 
 def test_router_metrics_as_ray_exports_them() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import socket
 from pathlib import Path
 
@@ -72,6 +73,30 @@ def test_held_and_taken_ports_move_the_search_past_them() -> None:
 def test_no_range_that_long_is_an_error() -> None:
     with pytest.raises(OSError, match=r"^no 40000 consecutive free TCP ports in 20000-\d+$"):
         free_port_range(40_000)
+
+
+def test_no_free_range_names_the_ports_in_the_way() -> None:
+    """A range as long as the whole search range fits only if no port there is taken: the
+    error names the first one the search met, in use or held (this test holds one)."""
+    with pytest.raises(OSError) as too_long:
+        free_port_range(40_000)  # no walk: the error gives the range alone
+    limits = re.fullmatch(
+        r"no 40000 consecutive free TCP ports in (\d+)-(\d+)", str(too_long.value)
+    )
+    assert limits is not None, str(too_long.value)
+    low, high = map(int, limits.groups())
+    held = free_port_range(1)  # so that the search meets at least one port
+    with pytest.raises(OSError) as error:
+        free_port_range(high - low)
+    found = re.fullmatch(
+        rf"no {high - low} consecutive free TCP ports in {low}-{high} "
+        r"\(in the way: (\d+), 1 in all; (\d+) ranges held here\)",
+        str(error.value),
+    )
+    assert found is not None, str(error.value)
+    port, ranges = map(int, found.groups())
+    assert low <= port <= held  # the walk wraps to the bottom: the lowest in the way
+    assert ranges >= 1
 
 
 def test_a_count_that_is_not_positive_is_refused() -> None:

@@ -64,8 +64,7 @@ def test_one_relay_with_1000_sources() -> None:
         ports = [int(s.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]) for s in engines]
         sources = [Source(f"tcp://*:{port}", worker_id=i) for i, port in enumerate(ports)]
         engines_only = (_threads(), _fds(), rss_mb())
-        publish = free_port_range(2 * SOURCES)
-        replay = publish + SOURCES
+        publish, replay = free_port_range(SOURCES), free_port_range(SOURCES)
         index = TieredIndex(BS)
         started = time.monotonic()
         with Relay(

@@ -8,6 +8,8 @@ the command's own endpoint.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import threading
 import time
 import urllib.error
@@ -27,9 +29,11 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.status_server import DEFAULT_STALL_S, Health, SourceHealth, serve_metrics
 from kvbridge.adapters.subscriber import Subscriber
+from kvbridge.cli.live import metrics_served
 
 TIMEOUT = 5.0
-STALL_S = 0.4
+STALL_S = 1.0
+"""The stall bound of the tests that wait for a stall (the default is 10 s)."""
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
@@ -54,15 +58,15 @@ def healthz(port: int) -> tuple[int, Health]:
 
 @contextmanager
 def served(
-    ctx: zmq.Context[zmq.Socket[bytes]], **options: Any
+    ctx: zmq.Context[zmq.Socket[bytes]], stall_s: float = DEFAULT_STALL_S, **options: Any
 ) -> Iterator[tuple[Publisher, Subscriber, Source, int]]:
     """An engine's publisher, a subscriber to it (``options``) as worker 7, and the status
-    server of that subscriber on a free port, with a stall bound of :data:`STALL_S`."""
+    server of that subscriber on a free port, with a stall bound of ``stall_s``."""
     publisher = Publisher("tcp://127.0.0.1:0", bind=True, context=ctx)
     source = Source(f"tcp://*:{publisher.endpoint.rsplit(':', 1)[1]}", None, 7)
     port = free_port_range(1)
     with publisher, Subscriber([source], context=ctx, **options) as subscriber:
-        server = serve_metrics(port, subscriber=subscriber, stall_s=STALL_S)
+        server = serve_metrics(port, subscriber=subscriber, stall_s=stall_s)
         try:
             assert publisher.wait_for_subscribers(timeout=TIMEOUT)
             yield publisher, subscriber, source, port
@@ -81,7 +85,7 @@ def deliver(subscriber: Subscriber, source: Source, seq: int) -> None:
 def test_healthz_follows_the_loop_that_polls(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """200 while the loop polls; 503 once it has not polled for the stall bound, though the
     server's own thread still answers; 200 again when polling resumes."""
-    with served(ctx) as (publisher, subscriber, source, port):
+    with served(ctx, STALL_S, replay_timeout=0.5) as (publisher, subscriber, source, port):
         for seq in range(3):
             publisher.publish(b"x", seq=seq)
         deliver(subscriber, source, 2)
@@ -89,7 +93,7 @@ def test_healthz_follows_the_loop_that_polls(ctx: zmq.Context[zmq.Socket[bytes]]
         status, report = healthz(port)
         assert status == 200
         assert report.status == "ok"
-        assert 0 <= report.last_poll_s < STALL_S
+        assert 0 <= report.progress_age_s < STALL_S
         assert report.stall_s == STALL_S
         expected = SourceHealth(source.endpoint, worker_id=7, last_seq=2, suspended=False)
         assert report.sources == [expected]
@@ -98,10 +102,10 @@ def test_healthz_follows_the_loop_that_polls(ctx: zmq.Context[zmq.Socket[bytes]]
         status, report = healthz(port)
         assert status == 503
         assert report.status == "stalled"
-        assert report.last_poll_s > STALL_S
+        assert report.progress_age_s > STALL_S
         assert report.sources == [expected]
-        age = metrics(port)["kvbridge_last_poll_age_seconds", frozenset()]
-        assert report.last_poll_s <= age < report.last_poll_s + 1.0
+        age = metrics(port)["kvbridge_progress_age_seconds", frozenset()]
+        assert report.progress_age_s <= age < report.progress_age_s + 1.0
 
         subscriber.poll(0)
         status, report = healthz(port)
@@ -180,33 +184,92 @@ def test_other_paths_get_the_metrics(ctx: zmq.Context[zmq.Socket[bytes]], path: 
 def test_healthz_stays_ok_through_a_poll_that_replays_many_streams(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """A poll that replays four streams at start-up, each replay waiting out its timeout as no
-    one answers, lasts longer than the stall bound; each replay's end is the loop moving on,
-    so ``/healthz`` answers 200 throughout."""
-    port = free_port_range(8)
-    sources = [
-        Source(f"tcp://127.0.0.1:{port + i}", f"tcp://127.0.0.1:{port + 4 + i}", worker_id=i)
-        for i in range(4)
-    ]
-    replay_timeout, stall_s = 0.3, 0.5
-    with Subscriber(
-        sources, context=ctx, replay_on_start=True, replay_timeout=replay_timeout
-    ) as subscriber:
+    """A poll that meets a gap on each of four streams asks for four replays, each waiting out
+    its timeout as no one answers: the poll lasts longer than the stall bound, but each
+    replay's end is the loop moving on, so ``/healthz`` answers 200 throughout."""
+    replay_timeout, stall_s = 0.4, 0.8
+    port = free_port_range(4)  # replay endpoints that no one serves
+    with contextlib.ExitStack() as stack:
+        publishers = [
+            stack.enter_context(Publisher("tcp://127.0.0.1:0", bind=True, context=ctx))
+            for _ in range(4)
+        ]
+        sources = [
+            Source(publisher.endpoint, f"tcp://127.0.0.1:{port + i}", worker_id=i, bind=False)
+            for i, publisher in enumerate(publishers)
+        ]
+        subscriber = stack.enter_context(
+            Subscriber(sources, context=ctx, replay_timeout=replay_timeout)
+        )
+        for publisher in publishers:
+            assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+            publisher.publish(b"x", seq=0)
+        for source in sources:
+            deliver(subscriber, source, 0)
+        for publisher in publishers:
+            publisher.publish(b"x", seq=5)  # a gap of four batches on every stream
+        time.sleep(0.3)  # all four in ZMQ's queues, for one poll
+
         server = serve_metrics(free_port_range(1), subscriber=subscriber, stall_s=stall_s)
-        try:
-            poll = threading.Thread(target=subscriber.poll, args=(0,))
-            began = time.monotonic()
-            poll.start()
-            statuses = []
-            while poll.is_alive():
-                statuses.append(healthz(server.server_port)[0])
-                time.sleep(0.05)
-            poll.join()
-            took = time.monotonic() - began
-        finally:
-            server.shutdown()
-            server.server_close()
-    assert took >= 4 * replay_timeout > stall_s
-    assert len(statuses) >= 10
-    assert set(statuses) == {200}
+        stack.callback(server.server_close)
+        stack.callback(server.shutdown)
+        poll = threading.Thread(target=subscriber.poll, args=(0,))
+        began = time.monotonic()
+        poll.start()
+        statuses = []
+        while poll.is_alive():
+            statuses.append(healthz(server.server_port)[0])
+            time.sleep(0.1)
+        poll.join()
+        took = time.monotonic() - began
+    assert subscriber.stats.gaps == 4
     assert subscriber.stats.replay_timeouts == 4
+    assert took >= 4 * replay_timeout > stall_s
+    assert len(statuses) >= 3
+    assert set(statuses) == {200}
+
+
+def test_start_up_replays_come_one_source_a_poll(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """With ``replay_on_start``, each poll replays one source, so that a poll brings at most
+    one replay's answer; live polling starts once every source has been replayed."""
+    port = free_port_range(6)
+    sources = [
+        Source(f"tcp://127.0.0.1:{port + i}", f"tcp://127.0.0.1:{port + 3 + i}", worker_id=i)
+        for i in range(3)
+    ]
+    with Subscriber(sources, context=ctx, replay_on_start=True, replay_timeout=0.1) as subscriber:
+        timeouts = []
+        for _ in range(4):
+            subscriber.poll(0)
+            timeouts.append(subscriber.stats.replay_timeouts)
+    assert timeouts == [1, 2, 3, 3]
+
+
+def test_the_stall_bound_must_exceed_the_replay_timeout(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A replay that no one answers moves the loop on only when it times out: a stall bound
+    within the timeout would report a working loop as stalled."""
+    source = Source(f"tcp://127.0.0.1:{free_port_range(1)}")
+    with (
+        Subscriber([source], context=ctx, replay_timeout=2.0) as subscriber,
+        pytest.raises(ValueError) as error,
+    ):
+        serve_metrics(free_port_range(1), subscriber=subscriber, stall_s=2.0)
+    assert str(error.value) == (
+        "stall_s 2.0 must exceed the replay timeout 2.0: a replay that is not answered moves "
+        "on only when it times out"
+    )
+
+
+def test_the_endpoint_stops_with_the_command(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A command's endpoint is served while its loop runs and stopped when the loop ends,
+    before the subscriber is closed, so that no request reads a closed subscriber."""
+    port = free_port_range(2)
+    args = argparse.Namespace(metrics_port=port + 1, metrics_host=None)
+    with Subscriber([Source(f"tcp://127.0.0.1:{port}")], context=ctx) as subscriber:
+        with metrics_served(args, subscriber=subscriber):
+            assert healthz(port + 1)[0] == 200
+        with pytest.raises(urllib.error.URLError) as error:
+            get(port + 1, "/healthz")
+    assert isinstance(error.value.reason, ConnectionRefusedError)

@@ -81,6 +81,7 @@ def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
         raise ValueError(f"count must be positive, got {count}")
     rng = rng or random.SystemRandom()
     low, high = _port_range()
+    taken_ports: list[int] = []
     with _holding:
         now = time.monotonic()
         _held[:] = [(until, held) for until, held in _held if until > now]
@@ -97,5 +98,12 @@ def free_port_range(count: int, *, rng: random.Random | None = None) -> int:
                 if taken is None:
                     _held.append((now + _HELD_S, range(base, base + count)))
                     return base
+                taken_ports.append(taken)
                 base = taken + 1
-    raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}")
+        held = len(_held)
+    in_the_way = ""
+    if taken_ports:  # for whoever must find out what holds them
+        ports = list(dict.fromkeys(taken_ports))  # a port met again after the wrap, once
+        shown = ", ".join(map(str, ports[:12])) + (", ..." if len(ports) > 12 else "")
+        in_the_way = f" (in the way: {shown}, {len(ports)} in all; {held} ranges held here)"
+    raise OSError(f"no {count} consecutive free TCP ports in {low}-{high}{in_the_way}")

@@ -57,10 +57,10 @@ METRICS: dict[str, str] = {
     "kvbridge_tracked_blocks": "Engine hashes the state holds per worker, by state: live, retired",
     "kvbridge_lag_seconds": "Time from the engine step to the relay, last batch per worker",
     "kvbridge_resident_blocks": "Distinct blocks resident per worker, dp rank and tier",
-    "kvbridge_last_poll_age_seconds": "Seconds since the loop that polls the sources last moved "
+    "kvbridge_progress_age_seconds": "Seconds since the loop that polls the sources last moved "
     "on (began a poll, or ended a replay); /healthz answers 503 past its bound",
     "kvbridge_stream_suspended": "1 while a source's stream is suspended (its clears spent: "
-    "skipped until a clear token is back), else 0",
+    "skipped until it sends with a clear token back), else 0",
 }
 """Every metric kvbridge exports, with its help text."""
 
@@ -102,7 +102,8 @@ class _Collector:
             METRICS["kvbridge_resident_blocks"],
             labels=["worker", "dp_rank", "tier"],
         )
-        for worker_id, worker in relay.workers.items():
+        # A copy (made whole under the GIL): the loop adds a worker at its first batch.
+        for worker_id, worker in list(relay.workers.items()):
             name = str(worker_id)
             normalizer = worker.normalizer
             for (kind, tier), count in normalizer.forwarded.items():
@@ -141,7 +142,7 @@ class _Collector:
             bad.add_metric([reason.value], count)
         yield bad
         yield from _families(subscriber.stats)
-        name = "kvbridge_last_poll_age_seconds"
+        name = "kvbridge_progress_age_seconds"
         yield GaugeMetricFamily(
             name, METRICS[name], value=time.monotonic() - subscriber.progressed_at
         )

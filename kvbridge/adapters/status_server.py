@@ -2,17 +2,17 @@
 Prometheus metrics on ``/metrics`` and a health check on ``/healthz``, on one port
 (``--metrics-port``), served from a daemon thread.
 
-The server answers from a thread of its own, so that it answers proves nothing about the loop
-that does the work. ``/healthz`` answers 200 while that loop moves on, and 503 once it has not
-for ``stall_s`` seconds (:data:`DEFAULT_STALL_S`): a loop whose thread died, or one stuck on
-something. The loop moves on when it begins a poll, at least every 100 ms, and when a replay
-ends (:attr:`~kvbridge.adapters.subscriber.Subscriber.progressed_at`): the subscriber's budgets
-bound what one poll brings, and the replay timeout each replay, so a working relay stays far
-from the bound, even in a poll that replays many streams at start-up.
-It is what a Kubernetes liveness probe asks; a readiness probe can ask the same, as a relay
-takes listeners from the moment its outputs are bound.
+The server answers from a thread of its own, so an answer proves nothing about the loop that
+does the work. ``/healthz`` answers 200 while that loop moves on, and 503 once it has not for
+``stall_s`` seconds (:data:`DEFAULT_STALL_S`): a loop stuck on something, or one whose thread
+died. The loop moves on when it begins a poll, at least every 100 ms, and when a replay ends,
+answered or timed out (:attr:`~kvbridge.adapters.subscriber.Subscriber.progressed_at`). A
+poll brings at most its budget of live messages and the answers of the replays it asked for,
+each bounded, and start-up replays come one source a poll; so a working relay stays far from
+the bound. It is what a Kubernetes liveness probe asks; a readiness probe can ask the same, as
+a relay takes listeners from the moment its outputs are bound.
 
-The body is JSON (:class:`Health`): the status, how long ago the last poll began, and per
+The body is JSON (:class:`Health`): the status, how long ago the loop last moved on, and per
 source its endpoint, worker id, the seq of its last batch delivered and whether its stream is
 suspended (clears throttled). A suspended source leaves the process healthy: the other sources
 are relayed, and a restart would not mend that one.
@@ -26,10 +26,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Final, Literal
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 import msgspec
 
@@ -54,6 +55,7 @@ METRICS_HOST: Final = "127.0.0.1"
 HEALTH_PATH: Final = "/healthz"
 DEFAULT_STALL_S: Final = 10.0
 """Seconds of a loop that does not move on after which ``/healthz`` answers 503."""
+_IDLE_TIMEOUT_S: Final = 10.0
 
 
 class SourceHealth(msgspec.Struct, frozen=True):
@@ -64,17 +66,18 @@ class SourceHealth(msgspec.Struct, frozen=True):
     last_seq: int | None
     """The seq of the last batch delivered, ``None`` before the first."""
     suspended: bool
-    """The stream needed a clear with its clear tokens spent: it is skipped until one is back."""
+    """The stream needed a clear with its clear tokens spent: what it sends is skipped until a
+    message finds a token back (a source gone quiet stays suspended)."""
 
 
 class Health(msgspec.Struct, frozen=True):
     """What ``/healthz`` answers."""
 
     status: Literal["ok", "stalled"]
-    last_poll_s: float
+    progress_age_s: float
     """Seconds since the loop last moved on: began a poll, or ended a replay."""
     stall_s: float
-    """The bound on ``last_poll_s`` past which the status is ``stalled``."""
+    """The bound on ``progress_age_s`` past which the status is ``stalled``."""
     sources: list[SourceHealth]
 
 
@@ -86,7 +89,7 @@ def health(subscriber: Subscriber, stall_s: float = DEFAULT_STALL_S) -> Health:
     since = time.monotonic() - subscriber.progressed_at
     return Health(
         status="ok" if since <= stall_s else "stalled",
-        last_poll_s=round(since, 3),
+        progress_age_s=round(since, 3),
         stall_s=stall_s,
         sources=[
             SourceHealth(
@@ -100,14 +103,12 @@ def health(subscriber: Subscriber, stall_s: float = DEFAULT_STALL_S) -> Health:
     )
 
 
-_StartResponse = Callable[[str, list[tuple[str, str]]], Any]
-_App = Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]
-
-
-def _with_health(metrics: _App, subscriber: Subscriber, stall_s: float) -> _App:
+def _with_health(
+    metrics: WSGIApplication, subscriber: Subscriber, stall_s: float
+) -> WSGIApplication:
     """``metrics``, the WSGI app of prometheus-client, with :data:`HEALTH_PATH` answered."""
 
-    def app(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != HEALTH_PATH:
             return metrics(environ, start_response)
         report = health(subscriber, stall_s)
@@ -127,7 +128,10 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No line on stderr per request: probes come every few seconds."""
+    """No line on stderr per request: probes come every few seconds. A connection that sends
+    nothing for :data:`_IDLE_TIMEOUT_S` is closed, so that idle clients do not hold threads."""
+
+    timeout = _IDLE_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -144,27 +148,34 @@ def serve_metrics(
     """Serve ``http://host:port/metrics`` and ``/healthz`` from a daemon thread: the relay's
     (or a bare subscriber's) counters with the process's (``process_*``: memory, CPU, file
     descriptors; ``python_info``), and the health of the loop that polls the subscriber (the
-    relay's own). Without either, prometheus-client's default registry. Returns the server,
-    for a caller that stops it (``shutdown()``, then ``server_close()``).
+    relay's own). Returns the server, for a caller that stops it (``shutdown()``, then
+    ``server_close()``) before it closes the subscriber.
 
     Raises:
-        RuntimeError: prometheus-client is not installed.
+        ImportError: prometheus-client is not installed.
+        ValueError: neither a relay nor a subscriber, or a ``stall_s`` that one unanswered
+            replay would exceed.
         OSError: ``host`` and ``port`` cannot be bound.
     """
     try:
-        from prometheus_client import REGISTRY, PlatformCollector, ProcessCollector, make_wsgi_app
+        from prometheus_client import PlatformCollector, ProcessCollector, make_wsgi_app
     except ImportError as error:
-        raise RuntimeError(
-            "--metrics-port needs the metrics extra: pip install 'kvbridge[metrics]'"
+        raise ImportError(
+            "serving metrics needs the metrics extra: pip install 'kvbridge[metrics]'"
         ) from error
     subscriber = subscriber or (relay.subscriber if relay is not None else None)
     if subscriber is None:
-        app: _App = make_wsgi_app(REGISTRY)
-    else:
-        registry = metrics_registry(relay, subscriber)
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-        app = _with_health(make_wsgi_app(registry), subscriber, stall_s)
+        raise ValueError("serve_metrics needs a relay or a subscriber")
+    if stall_s <= subscriber.replay_client.timeout:
+        raise ValueError(
+            f"stall_s {stall_s} must exceed the replay timeout "
+            f"{subscriber.replay_client.timeout}: a replay that is not answered moves on "
+            "only when it times out"
+        )
+    registry = metrics_registry(relay, subscriber)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    app = _with_health(make_wsgi_app(registry), subscriber, stall_s)
     family, _, _, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]

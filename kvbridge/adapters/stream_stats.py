@@ -102,10 +102,11 @@ def skip_bad_frame(
 
 def bad_frames(*stats: SubscriberStats | PipelineStats) -> Counter[BadFrame]:
     """The frames skipped, by reason, over the subscriber's and the pipeline's counts (which
-    never share a reason)."""
+    never share a reason). Read from a scrape's thread too: each count is copied whole (under
+    the GIL) before it is walked, as the loop may add a reason meanwhile."""
     total: Counter[BadFrame] = Counter()
     for counts in stats:
-        total.update(counts.bad_frames)
+        total.update(dict(counts.bad_frames))
     return total
 
 

@@ -21,7 +21,8 @@ handles the sockets:
   goes on, a new one is a restart (``restarts``). Consistency comes before stale hits.
 - **replay on start**: with ``replay_on_start``, each source with a replay endpoint is asked
   for everything from 0 before any live message, so that the batches of an engine that has
-  gone idle arrive too.
+  gone idle arrive too; one source a poll, so that a poll brings at most one replay's answer
+  (at most ``replay_max_messages``) and the consumer works through it before the next.
 
 Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
 
@@ -274,10 +275,14 @@ class Subscriber(ClosedOnExit):
         """
         self._polled_at = time.monotonic()
         out: list[Message | StreamReset] = []
-        while self._starting:
+        if self._starting:
+            # One start-up replay a poll, so that the consumer works through one answer at a
+            # time; live messages wait in ZMQ's queue until every source has been replayed.
             stream = self._starting.pop(0)
             if stream.last is None:
                 out.extend(self.replay_client.recover(stream, 0, None))
+            if self._starting:
+                return out
         events = self._poller.poll(timeout_ms)
         for socket, _ in events:
             monitored = self._monitors.get(socket)

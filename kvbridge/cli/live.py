@@ -12,7 +12,8 @@ import argparse
 import errno
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import structlog
 
@@ -23,7 +24,7 @@ from kvbridge.adapters.status_server import HEALTH_PATH, METRICS_HOST, serve_met
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.cli.usage import MissingExtra, UsageError
 
-__all__ = ["delivered", "silence", "sources", "start_metrics", "until"]
+__all__ = ["delivered", "metrics_served", "silence", "sources", "until"]
 
 log = structlog.get_logger("kvbridge")
 
@@ -72,33 +73,41 @@ def until(args: argparse.Namespace) -> threading.Event:
     return stop
 
 
-def start_metrics(
+@contextmanager
+def metrics_served(
     args: argparse.Namespace, relay: Relay | None = None, subscriber: Subscriber | None = None
-) -> None:
-    """Serve ``--metrics-port``, if given, before the command's loop starts.
+) -> Iterator[None]:
+    """Serve ``--metrics-port``, if given, while the command's loop runs; stopped on exit, so
+    that no request reads a subscriber being closed.
 
     Raises:
         MissingExtra: prometheus-client is not installed.
         UsageError: the port cannot be bound.
     """
-    if args.metrics_port is not None:
-        host = args.metrics_host or METRICS_HOST
-        try:
-            serve_metrics(
-                args.metrics_port, relay=relay, subscriber=subscriber, host=host.strip("[]")
-            )
-        except RuntimeError:  # prometheus-client is missing
-            raise MissingExtra(
-                "--metrics-port needs prometheus-client, the extra 'metrics': pip install "
-                "prometheus-client (or, in a clone, pip install '.[metrics]')"
-            ) from None
-        except OSError as error:
-            # A port in use is the port's fault; any other failure is the given host's.
-            given_host = args.metrics_host is not None and error.errno != errno.EADDRINUSE
-            flag = "--metrics-host" if given_host else "--metrics-port"
-            raise UsageError(
-                f"argument {flag}: cannot bind {host}:{args.metrics_port}: "
-                f"{error.strerror or error}"
-            ) from None
-        url = f"http://{host}:{args.metrics_port}"
-        log.info("serving metrics", url=f"{url}/metrics", health=f"{url}{HEALTH_PATH}")
+    if args.metrics_port is None:
+        yield
+        return
+    host = args.metrics_host or METRICS_HOST
+    try:
+        server = serve_metrics(
+            args.metrics_port, relay=relay, subscriber=subscriber, host=host.strip("[]")
+        )
+    except ImportError:
+        raise MissingExtra(
+            "--metrics-port needs prometheus-client, the extra 'metrics': pip install "
+            "prometheus-client (or, in a clone, pip install '.[metrics]')"
+        ) from None
+    except OSError as error:
+        # A port in use is the port's fault; any other failure is the given host's.
+        given_host = args.metrics_host is not None and error.errno != errno.EADDRINUSE
+        flag = "--metrics-host" if given_host else "--metrics-port"
+        raise UsageError(
+            f"argument {flag}: cannot bind {host}:{args.metrics_port}: {error.strerror or error}"
+        ) from None
+    url = f"http://{host}:{args.metrics_port}"
+    log.info("serving metrics", url=f"{url}/metrics", health=f"{url}{HEALTH_PATH}")
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -40,8 +40,8 @@ def run_record(args: argparse.Namespace) -> int:
             sources, max_frame_bytes=args.max_frame_bytes, replay_on_start=True
         ) as subscriber,
         CaptureWriter(args.out, meta=meta) as capture,
+        live.metrics_served(args, subscriber=subscriber),
     ):
-        live.start_metrics(args, subscriber=subscriber)
         silence = live.silence(sources)
         while not stop.is_set() and (args.count is None or capture.count < args.count):
             for item in subscriber.poll(50):

@@ -26,20 +26,22 @@ def run_relay(args: argparse.Namespace) -> int:
         replay = args.publish_replay
         uses += [offset("--publish-replay", replay, i, "--source") for i in range(len(sources))]
     check_uses(args, uses)
-    with Relay(
-        sources,
-        block_size=args.block_size,
-        publish=args.publish.address,
-        publish_replay=args.publish_replay.address if args.publish_replay else None,
-        topic=args.topic,
-        buffer_steps=args.buffer_steps,
-        buffer_bytes=args.buffer_bytes,
-        max_frame_bytes=args.max_frame_bytes,
-        replay_on_start=True,
-        merge_bytes=args.merge_bytes,
-        output_hwm=args.output_hwm,
-    ) as relay:
-        live.start_metrics(args, relay)
+    with (
+        Relay(
+            sources,
+            block_size=args.block_size,
+            publish=args.publish.address,
+            publish_replay=args.publish_replay.address if args.publish_replay else None,
+            topic=args.topic,
+            buffer_steps=args.buffer_steps,
+            buffer_bytes=args.buffer_bytes,
+            max_frame_bytes=args.max_frame_bytes,
+            replay_on_start=True,
+            merge_bytes=args.merge_bytes,
+            output_hwm=args.output_hwm,
+        ) as relay,
+        live.metrics_served(args, relay),
+    ):
         for source, output in relay.outputs.items():
             publish, replay = relay.endpoints(source)
             log.info(

@@ -23,13 +23,15 @@ def run_watch(args: argparse.Namespace) -> int:
     require_rich()
     sources = live.sources(args)
     check_uses(args, source_uses(args))
-    with Relay(
-        sources,
-        block_size=args.block_size,
-        max_frame_bytes=args.max_frame_bytes,
-        replay_on_start=True,
-    ) as relay:
-        live.start_metrics(args, relay)
+    with (
+        Relay(
+            sources,
+            block_size=args.block_size,
+            max_frame_bytes=args.max_frame_bytes,
+            replay_on_start=True,
+        ) as relay,
+        live.metrics_served(args, relay),
+    ):
         stop = live.until(args)
         view = WatchView(relay)
         silence = live.silence(sources)
