@@ -417,6 +417,53 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
     assert overlaps(index, [a, b, c, d]) == [{}, {}, {}, {(1, 0): (3, 3, 3)}]
 
 
+def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """An engine that restarts more often than clears are allowed (3, then one a second)
+    suspends its stream. If it then goes quiet, its worker is cleared as soon as a clear token
+    is back, not when it next sends (which may be never): the index does not keep the blocks
+    of the process before. Its next message starts the stream over without another clear."""
+    prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
+    payloads = [
+        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
+    ]
+    with relayed(ctx) as (publisher, source, relay, index, seen):
+        stats = relay.subscriber.stats
+        deliver(relay, source, publisher.publish(payloads[0]))
+        first_restart = time.monotonic()  # the bucket is full (3 tokens) until this one
+        for restarts, payload in enumerate(payloads[1:5], start=1):
+            publisher.restart()
+            assert publisher.publish(payload) == 0
+            deadline = time.monotonic() + TIMEOUT
+            while stats.restarts + stats.bad_frames[BadFrame.THROTTLED] < restarts:
+                assert time.monotonic() < deadline, stats
+                relay.step(20)
+        # The fourth restart found no token: skipped, and the index still holds what the
+        # engine held before it.
+        assert relay.subscriber.suspended(source)
+        assert overlaps(index, prompts[3:5]) == [{(1, 0): (3, 3, 3)}, {}]
+
+        deadline = time.monotonic() + TIMEOUT
+        while overlaps(index, prompts[3:4]) != [{}]:
+            assert time.monotonic() < deadline, "the quiet suspended worker was never cleared"
+            relay.step(20)
+        cleared_after = time.monotonic() - first_restart
+        assert not relay.subscriber.suspended(source)
+
+        deliver(relay, source, publisher.publish(payloads[5]))
+        final = deepcopy(stats)
+
+    # Four clears from a bucket of three take a second's refill.
+    assert cleared_after >= 1.0
+    restart, new_life = ("restart", 0), (0, False)
+    assert shape(seen) == [(0, False), *[restart, new_life] * 3, restart, (1, False)]
+    assert final == SubscriberStats(
+        messages=6, restarts=3, resyncs=1, bad_frames=Counter({BadFrame.THROTTLED: 1})
+    )
+    assert overlaps(index, prompts) == [{}] * 5 + [{(1, 0): (3, 3, 3)}]
+
+
 # --------------------------------------------------------------------------- 3. bad frames
 
 VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)

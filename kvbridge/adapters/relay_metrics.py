@@ -60,7 +60,7 @@ METRICS: dict[str, str] = {
     "kvbridge_progress_age_seconds": "Seconds since the loop that polls the sources last moved "
     "on (began a poll, or ended a replay); /healthz answers 503 past its bound",
     "kvbridge_stream_suspended": "1 while a source's stream is suspended (its clears spent: "
-    "skipped until it sends with a clear token back), else 0",
+    "skipped until a clear token is back, when the worker is cleared), else 0",
 }
 """Every metric kvbridge exports, with its help text."""
 

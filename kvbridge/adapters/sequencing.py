@@ -19,9 +19,10 @@ message it reads comes here with its source's
   stream did move there: it is *resynchronized* (``resyncs``), a :class:`StreamReset`
   (``"restart"``) and the stream goes on from there;
 - **throttled**: a restart, gap or jump that finds no clear token suspends the stream: every
-  message is skipped and counted ``throttled`` until a token is back; the first message after
-  that is a resync, and the sequence numbers it skips forward (up to ``max_gap``) are counted
-  ``lost``;
+  message is skipped and counted ``throttled`` until a token is back. Then the clear goes out
+  at once (a resync, :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
+  subscriber tries at every poll), and the stream's next message starts it over; the sequence
+  numbers that message skips forward (up to ``max_gap``) are counted ``lost``;
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes): counted by :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
 """
@@ -85,8 +86,15 @@ class Sequencer:
     ) -> list[Message | StreamReset]:
         """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
         stream.suspended = False
-        stream.jumped_to = None
         out.append(stream.resync(self.stats, self.warn, seq))
+        return self._start_over(stream, frames, seq, out)
+
+    def _start_over(
+        self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
+    ) -> list[Message | StreamReset]:
+        """Start the stream over at ``seq``, its clear sent."""
+        stream.starting_over = False
+        stream.jumped_to = None
         stream.last = stream.live_last = seq
         stream.last_payload = frames[2]
         stream.replayed_through = -1
@@ -102,13 +110,15 @@ class Sequencer:
         self.stats.messages += 1
         out: list[Message | StreamReset] = []
         endpoint = stream.source.endpoint
-        if stream.suspended:
-            if not stream.may_clear():
+        if stream.suspended or stream.starting_over:
+            if stream.suspended and not stream.may_clear():
                 self._suspend(stream, seq)
                 return out
             last = stream.last
             if last is not None and 0 < seq - last - 1 <= self.max_gap:
                 self.stats.lost += seq - last - 1  # shed or skipped while suspended
+            if stream.starting_over:  # cleared when its token came back
+                return self._start_over(stream, frames, seq, out)
             return self._resync(stream, frames, seq, out)
         last = stream.last
         checked: list[Message] | None = None

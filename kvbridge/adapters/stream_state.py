@@ -7,7 +7,8 @@ payload of its last batch (to recognise its publisher after a reconnect) and its
 **Clears**: every :class:`~kvbridge.adapters.source.StreamReset` takes a token from its source's
 bucket, which holds ``clear_burst`` tokens and refills at one per ``clear_interval`` seconds.
 A discontinuity that finds the bucket empty *suspends* the stream (see
-:mod:`~kvbridge.adapters.sequencing`), so a source gets at most
+:mod:`~kvbridge.adapters.sequencing`) until a token is back, and then the clear goes out, whether
+or not the source sends (:meth:`StreamState.release`). So a source gets at most
 ``clear_burst + T / clear_interval`` clears in ``T`` seconds, whatever its sequence numbers do:
 a publisher that sends nonsense cannot make every consumer downstream clear the worker in a
 loop.
@@ -44,6 +45,7 @@ class StreamState:
         "replayed_through",
         "socket",
         "source",
+        "starting_over",
         "suspended",
         "tokens",
         "tokens_at",
@@ -69,6 +71,9 @@ class StreamState:
         self.tokens_at = time.monotonic()
         self.suspended = False
         """A discontinuity found no token: skip everything until one is back, then resync."""
+        self.starting_over = False
+        """Cleared when a token came back after a suspension: the next message starts the
+        stream over, without another clear."""
         self.jumped_to: int | None = None
         """The sequence of the last message skipped as a jump, to notice a stream that moved."""
         self.dealer: zmq.Socket[bytes] | None = None
@@ -110,6 +115,23 @@ class StreamState:
         stats.resyncs += 1
         endpoint = self.source.endpoint
         warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+        return self.reset("restart")
+
+    def release(self, stats: SubscriberStats, warn: LogLimiter) -> StreamReset | None:
+        """The clear of a suspended stream, once a token is back; ``None`` before that.
+
+        The clear goes out as soon as it is allowed, not with the source's next message: a
+        source gone quiet would otherwise leave its worker's blocks from before the
+        discontinuity downstream for as long as it stays quiet. Its next message then starts
+        the stream over (:attr:`starting_over`), counted as a resync."""
+        if not (self.suspended and self.may_clear()):
+            return None
+        self.suspended = False
+        self.starting_over = True
+        self.jumped_to = None
+        stats.resyncs += 1
+        endpoint = self.source.endpoint
+        warn("clears allowed again, stream cleared", (endpoint,), stream=endpoint, last=self.last)
         return self.reset("restart")
 
     def skip_frame(

@@ -48,7 +48,8 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
 - **clears**: every :class:`StreamReset` takes a token from its source's bucket
   (``clear_burst`` [:data:`DEFAULT_CLEAR_BURST`], one more per ``clear_interval`` s
   [:data:`DEFAULT_CLEAR_INTERVAL_S`], see :mod:`~kvbridge.adapters.stream_state`); a stream
-  that needs one while the bucket is empty is suspended (``throttled``) until one is back.
+  that needs one while the bucket is empty is suspended (``throttled``) until one is back, and
+  then cleared at once, whether or not it sends (each poll looks at the suspended streams).
 - **logs**: every per-frame line goes through a :class:`~kvbridge.adapters.logs.LogLimiter`, per
   stream and reason; the stats count every frame.
 """
@@ -274,7 +275,12 @@ class Subscriber(ClosedOnExit):
         waits in ZMQ's queue (up to ``RCVHWM``) for the next poll.
         """
         self._polled_at = time.monotonic()
-        out: list[Message | StreamReset] = []
+        stats, warn = self.stats, self._warn
+        out: list[Message | StreamReset] = [
+            reset
+            for stream in self._streams.values()
+            if stream.suspended and (reset := stream.release(stats, warn)) is not None
+        ]
         if self._starting:
             # One start-up replay a poll, so that the consumer works through one answer at a
             # time; live messages wait in ZMQ's queue until every source has been replayed.
