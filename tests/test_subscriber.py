@@ -26,6 +26,7 @@ from copy import deepcopy
 from typing import Any, NamedTuple
 
 import pytest
+import structlog
 import zmq
 from support.reference import dump_rows, index_of, overlaps
 
@@ -332,6 +333,50 @@ def test_replay_socket_that_never_answers_times_out_into_a_loss(
     assert [item.payload for item in items[1:] if isinstance(item, Message)] == payloads[2:]
     assert stats == SubscriberStats(messages=3, gaps=1, replays=1, replay_timeouts=1, lost=1)
     assert waited >= 0.3
+
+
+def test_after_a_replay_timeout_the_source_is_not_asked_again_until_its_back_off_passes(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A replay blocks the subscriber's other sources until it is answered or times out. After
+    a timeout, the gaps of that source within the back-off (the timeout, doubled after each
+    further timeout in a row) are lost at once, without asking; after it, the endpoint is
+    asked again."""
+    payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(7)]
+    publisher, served = engine_publisher(ctx, replay=False)
+    source = Source(served.endpoint, f"tcp://127.0.0.1:{free_port_range(1)}", 1)  # nobody serves it
+    waited = []
+    with (
+        structlog.testing.capture_logs() as logs,
+        publisher,
+        Subscriber([source], context=ctx, replay_timeout=1.0) as subscriber,
+    ):
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(payloads[0])
+        items = receive(subscriber, 1)
+        for seq in (1, 3, 5):
+            if seq == 5:
+                time.sleep(1.0)  # the back-off after the first timeout passes
+            publisher.publish(payloads[seq], send=False)
+            publisher.publish(payloads[seq + 1])
+            started = time.monotonic()
+            items += receive(subscriber, 1)
+            waited.append(time.monotonic() - started)
+        stats = deepcopy(subscriber.stats)
+
+    gaps = [item for seq in (2, 4, 6) for item in (("lost", 1), (seq, False))]
+    assert shape(items) == [(0, False), *gaps]
+    assert stats == SubscriberStats(
+        messages=4, gaps=3, replays=2, replays_skipped=1, replay_timeouts=2, lost=3
+    )
+    assert waited[0] >= 1.0 and waited[2] >= 1.0
+    assert waited[1] < 1.0
+    backoffs = [
+        (line["seconds"], line["timeouts_in_a_row"])
+        for line in logs
+        if line["event"] == "replays skipped after a timeout"
+    ]
+    assert backoffs == [(1.0, 1), (2.0, 2)]
 
 
 # --------------------------------------------------------------------------- 2. restart

@@ -41,10 +41,12 @@ METRICS: dict[str, str] = {
     "kvbridge_restarts_total": "Publisher restarts detected (sequence went backwards)",
     "kvbridge_duplicate_batches_total": "Live batches already delivered by a replay",
     "kvbridge_resyncs_total": "Streams started over at a far sequence (a jump it did take, or "
-    "the first message after a throttled stretch)",
+    "the end of a throttled stretch, when a clear token is back)",
     "kvbridge_disconnects_total": "Connections to a publisher that dropped",
     "kvbridge_reconnect_checks_total": "Publishers checked after a drop (same process or new)",
     "kvbridge_replay_timeouts_total": "Replay requests unanswered within the timeout",
+    "kvbridge_replays_skipped_total": "Replays not asked for, as the source's replay endpoint "
+    "timed out last time and its back-off has not passed (what they would fetch counts lost)",
     "kvbridge_replay_truncated_total": "Replay answers cut at their bound (the rest counted lost)",
     "kvbridge_replay_answers_cut_total": "Answers to replay requests stopped before their end "
     "marker, by reason: peer_full (a peer that asks and does not read), peer_gone",

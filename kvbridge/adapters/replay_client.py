@@ -14,7 +14,13 @@ frames). Its two uses, and the bounds on one answer:
 - **bounds** on one answer: at most ``max_messages`` batches and ``max_bytes`` of payload are
   read [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is
   discarded (``replay_truncated``, the DEALER closed so that its tail is not read as the next
-  answer) and what it held counts as lost.
+  answer) and what it held counts as lost;
+- **back-off** after a timeout: a replay waits for its answer, and the subscriber's other
+  sources wait with it. So after a replay of a source times out, that source's replays are not
+  asked for (``replays_skipped``, their batches count as lost) for as long as the timeout, then
+  twice as long after each further timeout in a row, up to :data:`REPLAY_BACKOFF_MAX_S`; an
+  answer ends the back-off. A dead replay endpoint then costs one timeout a back-off, not one
+  a gap.
 """
 
 from __future__ import annotations
@@ -32,10 +38,17 @@ from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
-__all__ = ["DEFAULT_REPLAY_MAX_BYTES", "DEFAULT_REPLAY_MAX_MESSAGES", "ReplayClient"]
+__all__ = [
+    "DEFAULT_REPLAY_MAX_BYTES",
+    "DEFAULT_REPLAY_MAX_MESSAGES",
+    "REPLAY_BACKOFF_MAX_S",
+    "ReplayClient",
+]
 
 DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
 DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
+REPLAY_BACKOFF_MAX_S: Final = 60.0
+"""The longest a source's replays are skipped after timeouts in a row."""
 
 
 @dataclass(eq=False)
@@ -134,7 +147,12 @@ class ReplayClient:
         """Ask the replay socket for every batch from ``start``; both vLLM reply layouts.
 
         Reads at most ``max_messages`` batches and ``max_bytes`` of payload; past that the
-        answer is abandoned (its DEALER closed), and what it held counts as lost."""
+        answer is abandoned (its DEALER closed), and what it held counts as lost. Within the
+        back-off after a timeout (see the module's "back-off") nothing is asked for and the
+        answer is empty."""
+        if time.monotonic() < stream.replay_resumes_at:
+            self.stats.replays_skipped += 1
+            return []
         self.stats.replays += 1
         source = stream.source
         assert source.replay_endpoint is not None
@@ -163,12 +181,14 @@ class ReplayClient:
                 )
                 self.stats.replay_timeouts += 1
                 self.close_dealer(stream)  # late replies must not be read as the next replay's
+                self._back_off(stream)
                 break
             answer = parse_answer(dealer.recv_multipart(), expected_topic)
             if answer is None:
                 stream.skip_frame(self.stats, self.warn, BadFrame.REPLAY_FRAME_COUNT)
                 continue
             topic, seq_frame, payload = answer
+            stream.replay_failures = 0  # it answers
             if seq_frame == END_SEQ or not payload:
                 break
             if len(seq_frame) != 8:
@@ -193,6 +213,22 @@ class ReplayClient:
                 break
         self.fetched_at = time.monotonic()
         return messages
+
+    def _back_off(self, stream: StreamState) -> None:
+        """Skip the replays of ``stream`` for a while after a timeout (see the module's
+        "back-off")."""
+        stream.replay_failures += 1
+        doublings = min(stream.replay_failures - 1, 16)  # past the cap: no larger powers
+        backoff = min(REPLAY_BACKOFF_MAX_S, self.timeout * 2**doublings)
+        stream.replay_resumes_at = time.monotonic() + backoff
+        endpoint = stream.source.replay_endpoint
+        self.warn(
+            "replays skipped after a timeout",
+            (endpoint,),
+            stream=endpoint,
+            seconds=round(backoff, 3),
+            timeouts_in_a_row=stream.replay_failures,
+        )
 
     def close_dealer(self, stream: StreamState) -> None:
         """Close the replay socket this client opened for ``stream``, if any; the next

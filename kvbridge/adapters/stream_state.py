@@ -42,6 +42,8 @@ class StreamState:
         "live_last",
         "monitor",
         "reconnected",
+        "replay_failures",
+        "replay_resumes_at",
         "replayed_through",
         "socket",
         "source",
@@ -87,6 +89,11 @@ class StreamState:
         self.reconnected = False
         """The connection dropped since the last message: check the publisher (see the
         subscriber's "reconnects") before the next message is taken as a continuation."""
+        self.replay_failures = 0
+        """Replays of this source that timed out in a row."""
+        self.replay_resumes_at = 0.0
+        """Until then (``time.monotonic()``), after a timeout, no replay is asked for: see
+        :meth:`ReplayClient.fetch <kvbridge.adapters.replay_client.ReplayClient.fetch>`."""
         self.live_last = -1
         """Highest sequence received live."""
         self.replayed_through = -1

@@ -127,6 +127,7 @@ class SubscriberStats:
     disconnects: int = _exported("kvbridge_disconnects_total")
     reconnect_checks: int = _exported("kvbridge_reconnect_checks_total")
     replay_timeouts: int = _exported("kvbridge_replay_timeouts_total")
+    replays_skipped: int = _exported("kvbridge_replays_skipped_total")
     replay_truncated: int = _exported("kvbridge_replay_truncated_total")
     bad_frames: Counter[BadFrame] = field(default_factory=Counter)
     """Messages skipped, by reason (every reason but :attr:`BadFrame.SCHEMA`)."""
