@@ -6,7 +6,8 @@ frame before vLLM 0.26, with one after; :mod:`~kvbridge.adapters.replay_protocol
 frames). Its two uses, and the bounds on one answer:
 
 - **recovery** (:meth:`ReplayClient.recover`): a gap, or the start of a stream, is filled from
-  the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout) is
+  the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout, a
+  back-off) is
   counted ``lost`` and a :class:`~kvbridge.adapters.source.StreamReset` goes out at the point
   of the loss, since a lost removal would leave a stale block downstream;
 - **the publisher check** after a reconnect (:meth:`ReplayClient.check_publisher`): the batch
@@ -81,11 +82,12 @@ class ReplayClient:
         """After a reconnect: the replay from ``last`` if its first batch is the one delivered
         as ``last`` (the same publisher, so the replay fills what the drop cost), else ``None``
         (a new process, or one that cannot show it is not). Without a replay endpoint the
-        publisher is taken as the same: a gap then counts as lost and clears downstream."""
+        publisher is taken as the same: a gap then counts as lost and clears downstream. The
+        check is asked for within a back-off too: it decides whether the worker is cleared."""
         self.stats.reconnect_checks += 1
         if not stream.source.replay_endpoint:
             return []
-        answer = self.fetch(stream, last)
+        answer = self.fetch(stream, last, in_back_off=True)
         if answer and answer[0].seq == last and answer[0].payload == stream.last_payload:
             return answer
         endpoint = stream.source.endpoint
@@ -143,14 +145,14 @@ class ReplayClient:
             out.append(message)
         return out
 
-    def fetch(self, stream: StreamState, start: int) -> list[Message]:
+    def fetch(self, stream: StreamState, start: int, *, in_back_off: bool = False) -> list[Message]:
         """Ask the replay socket for every batch from ``start``; both vLLM reply layouts.
 
         Reads at most ``max_messages`` batches and ``max_bytes`` of payload; past that the
         answer is abandoned (its DEALER closed), and what it held counts as lost. Within the
         back-off after a timeout (see the module's "back-off") nothing is asked for and the
-        answer is empty."""
-        if time.monotonic() < stream.replay_resumes_at:
+        answer is empty, unless ``in_back_off``."""
+        if not in_back_off and time.monotonic() < stream.replay_resumes_at:
             self.stats.replays_skipped += 1
             return []
         self.stats.replays += 1

@@ -95,6 +95,7 @@ class Sequencer:
         """Start the stream over at ``seq``, its clear sent."""
         stream.starting_over = False
         stream.jumped_to = None
+        stream.reconnected = False  # not taken as a continuation: nothing to check
         stream.last = stream.live_last = seq
         stream.last_payload = frames[2]
         stream.replayed_through = -1
@@ -138,6 +139,7 @@ class Sequencer:
                 return out
             self.stats.restarts += 1
             self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
+            stream.end_replay_back_off()  # a new process: its replay endpoint is asked afresh
             out.append(stream.reset("restart"))
             stream.last, last = None, None
             stream.live_last = stream.replayed_through = -1

@@ -141,6 +141,12 @@ class StreamState:
         warn("clears allowed again, stream cleared", (endpoint,), stream=endpoint, last=self.last)
         return self.reset("restart")
 
+    def end_replay_back_off(self) -> None:
+        """Ask this source's replay endpoint again from now on: its publisher dropped or was
+        replaced, so the timeouts before say nothing of it."""
+        self.replay_failures = 0
+        self.replay_resumes_at = 0.0
+
     def skip_frame(
         self, stats: SubscriberStats, warn: LogLimiter, reason: BadFrame, seq: int | None = None
     ) -> None:

@@ -18,7 +18,10 @@ handles the sockets:
   message after a drop that continues the sequence checks the publisher
   (``reconnect_checks``, see
   :meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`): the same process
-  goes on, a new one is a restart (``restarts``). Consistency comes before stale hits.
+  goes on, a new one is a restart (``restarts``). Consistency comes before stale hits. (A
+  stream that starts over after a suspension has nothing to continue, and checks nothing.)
+  A drop also ends the source's replay back-off (see
+  :mod:`~kvbridge.adapters.replay_client`).
 - **replay on start**: with ``replay_on_start``, each source with a replay endpoint is asked
   for everything from 0 before any live message, so that the batches of an engine that has
   gone idle arrive too; one source a poll, so that a poll brings at most one replay's answer
@@ -270,7 +273,8 @@ class Subscriber(ClosedOnExit):
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
         """What arrived within ``timeout_ms``, within the budget, in stream order per source.
 
-        Reads the ready sources round-robin (see the module's "limits"): at most
+        First come the clears of suspended streams whose clear token is back, arrived or not.
+        Then it reads the ready sources round-robin (see the module's "limits"): at most
         ``source_budget`` messages from one source and ``poll_budget`` in all. What is left
         waits in ZMQ's queue (up to ``RCVHWM``) for the next poll.
         """
@@ -343,6 +347,7 @@ class Subscriber(ClosedOnExit):
                 break
             self.stats.disconnects += 1
         stream.reconnected = stream.last is not None
+        stream.end_replay_back_off()
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:
             # A new socket: reconnecting the old one (disconnect, connect) can abort libzmq
