@@ -379,6 +379,46 @@ def test_after_a_replay_timeout_the_source_is_not_asked_again_until_its_back_off
     assert backoffs == [(1.0, 1), (2.0, 2)]
 
 
+def test_a_restart_ends_the_replay_back_off(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """The timeouts of an engine say nothing of the process that replaces it: after a restart,
+    the new process's replay endpoint is asked at once, within the old one's back-off."""
+    payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(5)]
+    publisher = Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, context=ctx)  # not serving
+    source = Source(f"tcp://*:{port_of(publisher.endpoint)}", publisher.replay_endpoint, 1)
+    with publisher, Subscriber([source], context=ctx, replay_timeout=1.0) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(payloads[0])
+        items = receive(subscriber, 1)
+        publisher.publish(payloads[1], send=False)
+        publisher.publish(payloads[2])
+        items += receive(subscriber, 1)  # its replay times out: a back-off of 1 s
+        publisher.start_replay_thread()  # the new process serves its replays
+        publisher.restart()
+        publisher.publish(payloads[3], send=False)
+        publisher.publish(payloads[4])
+        items += receive(subscriber, 2)
+        stats = deepcopy(subscriber.stats)
+
+    assert shape(items) == [
+        (0, False),
+        ("lost", 1),
+        (2, False),
+        ("restart", 0),
+        (0, True),
+        (1, True),
+    ]
+    assert stats == SubscriberStats(
+        messages=3,
+        gaps=1,
+        replays=2,
+        replayed=2,
+        replay_timeouts=1,
+        lost=1,
+        restarts=1,
+        duplicates=1,  # the live copy of the new process's batch 1
+    )
+
+
 # --------------------------------------------------------------------------- 2. restart
 
 
