@@ -443,6 +443,27 @@ BAD_ARGUMENTS = [
         "'1e10'",
     ),
     (
+        ["watch", "--source", "tcp://*:5557", "--block-size", "4", "--replay-timeout", "0"],
+        "kvbridge watch: error: argument --replay-timeout: must be at least 0.001: '0'",
+    ),
+    (
+        ["record", "--source", "tcp://*:5557", "--out", "x.kvcap", "--replay-timeout", "inf"],
+        f"kvbridge record: error: argument --replay-timeout: must be at most "
+        f"{threading.TIMEOUT_MAX}: 'inf'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:4", "--clear-burst", "0"],
+        "kvbridge relay: error: argument --clear-burst: must be at least 1: '0'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:4", "--clear-interval", "-0.5"],
+        "kvbridge relay: error: argument --clear-interval: must be at least 0: '-0.5'",
+    ),
+    (
+        [*RELAY, "--publish", "tcp://127.0.0.1:4", "--clear-interval", "nan"],
+        "kvbridge relay: error: argument --clear-interval: not a number: 'nan'",
+    ),
+    (
         ["replay", str(SAMPLE), "--publish", "tcp://*:5557", "--wait-subscribers", "nan"],
         "kvbridge replay: error: argument --wait-subscribers: not a number: 'nan'",
     ),

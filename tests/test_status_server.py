@@ -262,6 +262,46 @@ def test_the_stall_bound_must_exceed_the_replay_timeout(
     )
 
 
+@pytest.mark.parametrize(("replay_timeout", "stall_s"), [(0.5, 10.0), (2.0, 10.0), (3.0, 15.0)])
+def test_the_default_stall_bound_is_five_replay_timeouts_if_that_is_longer(
+    ctx: zmq.Context[zmq.Socket[bytes]], replay_timeout: float, stall_s: float
+) -> None:
+    """With a long ``replay_timeout`` the default bound grows with it, rather than refusing
+    to serve, or calling a loop that waits on one slow replay after another stalled."""
+    with served(ctx, None, replay_timeout=replay_timeout) as (_, _, _, port):
+        status, report = healthz(port)
+    assert (status, report.stall_s) == (200, stall_s)
+
+
+def test_the_relay_command_takes_the_replay_timeout_and_clear_rate(tmp_path: Path) -> None:
+    """``--replay-timeout`` reaches the relay's subscriber (the health check's default bound is
+    five of them), and ``--clear-burst`` / ``--clear-interval`` its clear rate: a burst of one
+    suspends the stream at the first restart of the engine."""
+    port = free_port_range(3)
+    with (
+        Publisher(f"tcp://127.0.0.1:{port}", bind=True) as engine,
+        RelayProcess(
+            [
+                "--source", f"connect:tcp://127.0.0.1:{port}",
+                "--publish", f"tcp://127.0.0.1:{port + 1}",
+                "--block-size", "4", "--replay-timeout", "2.5", "--clear-burst", "1",
+                "--clear-interval", "3600",
+            ],
+            metrics_port=port + 2,
+            log_path=tmp_path / "relay.log",
+        ) as relay,
+    ):  # fmt: skip
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        for seq in (0, 1, 0, 1, 0):  # the engine restarts (its sequence starts over) twice
+            engine.publish(b"x", seq=seq)
+        assert relay.wait_value("kvbridge_bad_frames_total", 1, reason="throttled"), relay.log()
+        status, report = healthz(port + 2)
+        samples = relay.metrics()
+    assert (status, report.stall_s) == (200, 12.5)
+    assert report.sources[0].suspended
+    assert samples["kvbridge_restarts_total", frozenset()] == 1
+
+
 def test_the_endpoint_stops_with_the_command(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """A command's endpoint is served while its loop runs and stopped when the loop ends,
     before the subscriber is closed, so that no request reads a closed subscriber."""

@@ -17,7 +17,9 @@ The wire format and replay protocol: README.md, "The relay in front of Dynamo".
 
 from __future__ import annotations
 
+import math
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -36,7 +38,7 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
-from kvbridge.adapters.subscriber import MAX_FRAME_BYTES, Subscriber
+from kvbridge.adapters.subscriber import DEFAULT_CLEAR_INTERVAL_S, MAX_FRAME_BYTES, Subscriber
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes
@@ -103,12 +105,22 @@ class Relayed(NamedTuple):
 
 
 @contextmanager
-def relayed(ctx: zmq.Context[zmq.Socket[bytes]], **options: Any) -> Iterator[Relayed]:
+def relayed(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    *,
+    clear_interval: float = DEFAULT_CLEAR_INTERVAL_S,
+    **options: Any,
+) -> Iterator[Relayed]:
     """An engine publisher (:func:`engine_publisher` with ``options``) and a relay with an
     in-process index consuming it, once the publisher sees the subscription; closed on exit."""
     publisher, source = engine_publisher(ctx, **options)
     index = TieredIndex(BS)
-    with publisher, Relay([source], block_size=BS, index=index, context=ctx) as relay:
+    with (
+        publisher,
+        Relay(
+            [source], block_size=BS, index=index, context=ctx, clear_interval=clear_interval
+        ) as relay,
+    ):
         seen = spy(relay.subscriber)
         assert publisher.wait_for_subscribers(timeout=TIMEOUT)
         yield Relayed(publisher, source, relay, index, seen)
@@ -505,15 +517,18 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
 def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """An engine that restarts more often than clears are allowed (3, then one a second)
-    suspends its stream. If it then goes quiet, its worker is cleared as soon as a clear token
-    is back, not when it next sends (which may be never): the index does not keep the blocks
-    of the process before. Its next message starts the stream over without another clear."""
+    """An engine that restarts more often than clears are allowed (3, then one every
+    ``interval``) suspends its stream. If it then goes quiet, its worker is cleared as soon as
+    a clear token is back, not when it next sends (which may be never): the index does not
+    keep the blocks of the process before. Its next message starts the stream over without
+    another clear. (The interval is long enough for the four restarts to land before a token
+    is back, even on a slow machine.)"""
+    interval = 3.0
     prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
     payloads = [
         encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
     ]
-    with relayed(ctx) as (publisher, source, relay, index, seen):
+    with relayed(ctx, clear_interval=interval) as (publisher, source, relay, index, seen):
         stats = relay.subscriber.stats
         deliver(relay, source, publisher.publish(payloads[0]))
         first_restart = time.monotonic()  # the bucket is full (3 tokens) until this one
@@ -539,8 +554,8 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
         deliver(relay, source, publisher.publish(payloads[5]))
         final = deepcopy(stats)
 
-    # Four clears from a bucket of three take a second's refill.
-    assert cleared_after >= 1.0
+    # Four clears from a bucket of three take one interval's refill.
+    assert cleared_after >= interval
     restart, new_life = ("restart", 0), (0, False)
     assert shape(seen) == [(0, False), *[restart, new_life] * 3, restart, (1, False)]
     assert final == SubscriberStats(
@@ -667,3 +682,40 @@ def test_max_frame_bytes_must_fit_zmq(
     assert str(raised.value) == (
         f"max_frame_bytes must be in [1, {2**63 - 1 - 64 * 1024}], got {max_frame_bytes}"
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"replay_timeout": 0.0}, "replay_timeout must be in [0.001, {max}] seconds, got 0.0"),
+        ({"replay_timeout": -1.0}, "replay_timeout must be in [0.001, {max}] seconds, got -1.0"),
+        ({"replay_timeout": math.nan}, "replay_timeout must be in [0.001, {max}] seconds, got nan"),
+        ({"replay_timeout": math.inf}, "replay_timeout must be in [0.001, {max}] seconds, got inf"),
+        (
+            {"clear_interval": -1.0},
+            "clear_interval must be in [0, {max}] seconds (0: clears are not rate-limited), "
+            "got -1.0",
+        ),
+        (
+            {"clear_interval": math.nan},
+            "clear_interval must be in [0, {max}] seconds (0: clears are not rate-limited), "
+            "got nan",
+        ),
+    ],
+    ids=[
+        "timeout-0",
+        "timeout-negative",
+        "timeout-nan",
+        "timeout-inf",
+        "interval-negative",
+        "interval-nan",
+    ],
+)
+def test_replay_timeout_and_clear_interval_are_checked(
+    ctx: zmq.Context[zmq.Socket[bytes]], options: dict[str, float], message: str
+) -> None:
+    """A timeout of 0 would time every replay out at once and never back off; a NaN would
+    compare false everywhere and turn the clear rate limit off."""
+    with pytest.raises(ValueError) as raised:
+        Subscriber([], context=ctx, **options)
+    assert str(raised.value) == message.format(max=threading.TIMEOUT_MAX)

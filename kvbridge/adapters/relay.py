@@ -3,8 +3,8 @@
 Each source goes ``Subscriber`` → :class:`~kvbridge.adapters.pipeline.StreamPipeline` (its
 worker's ``Normalizer``, per-source resets, bad frames skipped); the canonical payloads are
 published on an output stream of its own, with a replay ROUTER speaking vLLM's 0.26+ replay
-protocol. Dynamo registers each
-worker with the relay's endpoints instead of the engine's and recovers from gaps the usual way.
+protocol. Dynamo registers each worker with the relay's endpoints instead of the engine's and
+recovers from gaps the usual way.
 
 Outputs mirror the sources one to one, offset the way vLLM offsets data-parallel ranks: the
 ``i``-th source is republished on ``tcp://host:(port + i)`` with replays on
@@ -66,7 +66,13 @@ from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
 from kvbridge.adapters.replay_server import ReplayServer
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.stream_stats import OutputStats, PipelineStats
-from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES, Subscriber
+from kvbridge.adapters.subscriber import (
+    DEFAULT_CLEAR_BURST,
+    DEFAULT_CLEAR_INTERVAL_S,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_REPLAY_TIMEOUT_S,
+    Subscriber,
+)
 from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payloads
 
 if TYPE_CHECKING:
@@ -181,6 +187,7 @@ class Relay(ClosedOnExit):
     Each output's PUB socket has the high-water mark ``output_hwm``; ``None`` (the default)
     takes it from ``merge_bytes`` (:func:`output_hwm_for`), so that what a consumer that never
     reads holds queued stays about :data:`OUTPUT_QUEUE_BYTES` however large a merged batch is.
+    ``max_frame_bytes``, ``replay_*`` and ``clear_*`` are passed on to its ``Subscriber``.
     """
 
     def __init__(
@@ -200,6 +207,9 @@ class Relay(ClosedOnExit):
         heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
         output_hwm: int | None = None,
         merge_bytes: int = DEFAULT_MERGE_BYTES,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
+        clear_burst: int = DEFAULT_CLEAR_BURST,
+        clear_interval: float = DEFAULT_CLEAR_INTERVAL_S,
     ) -> None:
         if not sources:
             raise ValueError("a relay needs at least one source")
@@ -216,6 +226,9 @@ class Relay(ClosedOnExit):
             context=self.context,
             max_frame_bytes=max_frame_bytes,
             replay_on_start=replay_on_start,
+            replay_timeout=replay_timeout,
+            clear_burst=clear_burst,
+            clear_interval=clear_interval,
         )
         self.stats = PipelineStats()
         """Batches in and out and the payloads that do not decode (shared with the

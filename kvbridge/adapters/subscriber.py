@@ -60,6 +60,7 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterable
 from typing import Final
@@ -80,7 +81,15 @@ from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import SubscriberStats
 
-__all__ = ["MAX_FRAME_BYTES", "Subscriber"]
+__all__ = [
+    "DEFAULT_CLEAR_BURST",
+    "DEFAULT_CLEAR_INTERVAL_S",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_REPLAY_TIMEOUT_S",
+    "MAX_FRAME_BYTES",
+    "MIN_REPLAY_TIMEOUT_S",
+    "Subscriber",
+]
 
 DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 MAXMSGSIZE_MARGIN: Final = 64 * 1024
@@ -99,6 +108,10 @@ DEFAULT_MAX_GAP: Final = 1 << 20
 """A forward sequence jump larger than this is bad input, not a gap to replay."""
 DEFAULT_CLEAR_BURST: Final = 3
 DEFAULT_CLEAR_INTERVAL_S: Final = 1.0
+DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0
+MIN_REPLAY_TIMEOUT_S: Final = 0.001
+"""ZMQ waits in whole milliseconds; a shorter timeout would also keep the back-off after
+timeouts (which doubles from the timeout) from reaching its cap."""
 HEARTBEAT_IVL_MS: Final = 2000
 HEARTBEAT_TIMEOUT_MS: Final = 6000
 """ZMTP pings on every SUB: a publisher that stops answering (its host gone, no FIN) is
@@ -133,7 +146,7 @@ class Subscriber(ClosedOnExit):
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        replay_timeout: float = 2.0,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S,
         replay_on_start: bool = False,
         rcvhwm: int = DEFAULT_RCVHWM,
         poll_budget: int = DEFAULT_POLL_BUDGET,
@@ -147,6 +160,16 @@ class Subscriber(ClosedOnExit):
     ) -> None:
         if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
             raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
+        if not MIN_REPLAY_TIMEOUT_S <= replay_timeout <= threading.TIMEOUT_MAX:
+            raise ValueError(
+                f"replay_timeout must be in [{MIN_REPLAY_TIMEOUT_S}, {threading.TIMEOUT_MAX}] "
+                f"seconds, got {replay_timeout}"
+            )
+        if not 0 <= clear_interval <= threading.TIMEOUT_MAX:
+            raise ValueError(
+                f"clear_interval must be in [0, {threading.TIMEOUT_MAX}] seconds (0: clears "
+                f"are not rate-limited), got {clear_interval}"
+            )
         if not 1 <= max_frame_bytes <= MAX_FRAME_BYTES:
             raise ValueError(
                 f"max_frame_bytes must be in [1, {MAX_FRAME_BYTES}], got {max_frame_bytes}"

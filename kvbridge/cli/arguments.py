@@ -12,7 +12,7 @@ from typing import Any
 
 from kvbridge.adapters.endpoints import Endpoint, EndpointError, parse_endpoint, tcp_address
 from kvbridge.adapters.publisher import MAX_BUFFER_STEPS, MAX_HWM
-from kvbridge.adapters.subscriber import MAX_FRAME_BYTES
+from kvbridge.adapters.subscriber import MAX_FRAME_BYTES, MIN_REPLAY_TIMEOUT_S
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 
 __all__ = [
@@ -120,6 +120,12 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A wait that may be zero (not waiting), and no longer than a timer can wait."""
     value: float = _number(text, float, 0, threading.TIMEOUT_MAX, "a number")
+    return value
+
+
+def replay_timeout(text: str) -> float:
+    """A replay timeout: whole milliseconds at least, as ZMQ waits."""
+    value: float = _number(text, float, MIN_REPLAY_TIMEOUT_S, threading.TIMEOUT_MAX, "a number")
     return value
 
 

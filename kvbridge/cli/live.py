@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypedDict
 
 import structlog
 
@@ -24,7 +25,15 @@ from kvbridge.adapters.status_server import HEALTH_PATH, METRICS_HOST, serve_met
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.cli.usage import MissingExtra, UsageError
 
-__all__ = ["delivered", "metrics_served", "silence", "sources", "until"]
+__all__ = [
+    "StreamOptions",
+    "delivered",
+    "metrics_served",
+    "silence",
+    "sources",
+    "stream_options",
+    "until",
+]
 
 log = structlog.get_logger("kvbridge")
 
@@ -48,6 +57,27 @@ def sources(args: argparse.Namespace) -> list[Source]:
         )
         for index, endpoint in enumerate(args.source)
     ]
+
+
+class StreamOptions(TypedDict):
+    """The subscriber's bounds that the shared source arguments set, as keyword arguments of
+    :class:`~kvbridge.adapters.subscriber.Subscriber` and
+    :class:`~kvbridge.adapters.relay.Relay`."""
+
+    max_frame_bytes: int
+    replay_timeout: float
+    clear_burst: int
+    clear_interval: float
+
+
+def stream_options(args: argparse.Namespace) -> StreamOptions:
+    """``--max-frame-bytes``, ``--replay-timeout``, ``--clear-burst`` and ``--clear-interval``."""
+    return StreamOptions(
+        max_frame_bytes=args.max_frame_bytes,
+        replay_timeout=args.replay_timeout,
+        clear_burst=args.clear_burst,
+        clear_interval=args.clear_interval,
+    )
 
 
 def silence(sources: Sequence[Source]) -> SilenceWatch:

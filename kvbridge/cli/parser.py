@@ -14,7 +14,12 @@ from typing import Any, Final, NoReturn
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS
 from kvbridge.adapters.relay import DEFAULT_BUFFER_BYTES, DEFAULT_MERGE_BYTES
-from kvbridge.adapters.subscriber import DEFAULT_MAX_FRAME_BYTES
+from kvbridge.adapters.subscriber import (
+    DEFAULT_CLEAR_BURST,
+    DEFAULT_CLEAR_INTERVAL_S,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_REPLAY_TIMEOUT_S,
+)
 from kvbridge.cli import arguments
 from kvbridge.cli.demo_command import run_demo
 from kvbridge.cli.record_command import run_record
@@ -150,6 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=arguments.frame_bytes,
         default=DEFAULT_MAX_FRAME_BYTES,
         help="refuse larger frames",
+    )
+    sources.add_argument(
+        "--replay-timeout",
+        type=arguments.replay_timeout,
+        default=DEFAULT_REPLAY_TIMEOUT_S,
+        metavar="S",
+        help="seconds an engine's replay answer may take (then its replays back off)",
+    )
+    sources.add_argument(
+        "--clear-burst",
+        type=arguments.positive_int,
+        default=DEFAULT_CLEAR_BURST,
+        metavar="N",
+        help="clears a source may cause at once, past which its stream is suspended",
+    )
+    sources.add_argument(
+        "--clear-interval",
+        type=arguments.non_negative_float,
+        default=DEFAULT_CLEAR_INTERVAL_S,
+        metavar="S",
+        help="seconds per clear a source's allowance refills (0: clears are not rate-limited)",
     )
 
     parser = _Parser(

@@ -36,9 +36,7 @@ def run_record(args: argparse.Namespace) -> int:
         meta["prompts"] = msgspec.to_builtins(read_prompts(args.prompts))
     stop = live.until(args)
     with (
-        Subscriber(
-            sources, max_frame_bytes=args.max_frame_bytes, replay_on_start=True
-        ) as subscriber,
+        Subscriber(sources, replay_on_start=True, **live.stream_options(args)) as subscriber,
         CaptureWriter(args.out, meta=meta) as capture,
         live.metrics_served(args, subscriber=subscriber),
     ):

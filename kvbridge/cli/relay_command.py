@@ -35,10 +35,10 @@ def run_relay(args: argparse.Namespace) -> int:
             topic=args.topic,
             buffer_steps=args.buffer_steps,
             buffer_bytes=args.buffer_bytes,
-            max_frame_bytes=args.max_frame_bytes,
             replay_on_start=True,
             merge_bytes=args.merge_bytes,
             output_hwm=args.output_hwm,
+            **live.stream_options(args),
         ) as relay,
         live.metrics_served(args, relay),
     ):

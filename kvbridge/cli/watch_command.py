@@ -27,8 +27,8 @@ def run_watch(args: argparse.Namespace) -> int:
         Relay(
             sources,
             block_size=args.block_size,
-            max_frame_bytes=args.max_frame_bytes,
             replay_on_start=True,
+            **live.stream_options(args),
         ) as relay,
         live.metrics_served(args, relay),
     ):
