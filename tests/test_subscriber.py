@@ -564,6 +564,88 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     assert overlaps(index, prompts) == [{}] * 5 + [{(1, 0): (3, 3, 3)}]
 
 
+def test_a_stream_suspended_by_a_loss_is_released_with_a_loss_reset(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A stream suspended because a loss found no clear token is the same process going on:
+    its release is a ``"lost"`` reset, which keeps the worker's block identities, so the next
+    store on a chain from before the suspension announces the chain again (a ``"restart"``
+    reset would make that store an orphan, and the chain would be missed until vLLM stores
+    it anew)."""
+    interval = 3.0
+    prompt = list(range(1000, 1016))
+    hashes = block_hashes(prompt, BS)
+    others = [list(range(k * 100, k * 100 + 8)) for k in range(1, 5)]
+    batches = [encoded([stored(hashes[:3], prompt[:12])], ts=TS0)]
+    for k, other in enumerate(others):
+        batches += [
+            encoded([], ts=TS0 + 2 * k + 1),
+            encoded([stored(block_hashes(other, BS), other)], ts=TS0 + 2 * k + 2),
+        ]
+    extension = encoded([stored(hashes[3:], prompt[12:], parent=hashes[2])], ts=TS0 + 9)
+    with relayed(ctx, replay=False, clear_interval=interval) as (
+        publisher,
+        source,
+        relay,
+        index,
+        seen,
+    ):
+        stats = relay.subscriber.stats
+        deliver(relay, source, publisher.publish(batches[0]))
+        for seq in range(1, 9, 2):  # four losses: three clear tokens, then none
+            publisher.publish(batches[seq], send=False)
+            publisher.publish(batches[seq + 1])
+            deadline = time.monotonic() + TIMEOUT
+            while stats.messages < (seq + 3) // 2:
+                assert time.monotonic() < deadline, stats
+                relay.step(20)
+        assert relay.subscriber.suspended(source)
+        deadline = time.monotonic() + TIMEOUT
+        while relay.subscriber.suspended(source):
+            assert time.monotonic() < deadline, "the suspended stream was never released"
+            relay.step(20)
+        deliver(relay, source, publisher.publish(extension))
+        final = deepcopy(stats)
+        reanchored = relay.workers[1].normalizer.reanchored_blocks
+
+    lost_one = ("lost", 1)
+    assert shape(seen) == [
+        (0, False), lost_one, (2, False), lost_one, (4, False), lost_one, (6, False),
+        ("lost", 0), (9, False),
+    ]  # fmt: skip
+    assert final == SubscriberStats(
+        messages=6, gaps=4, lost=5, resyncs=1, bad_frames=Counter({BadFrame.THROTTLED: 1})
+    )
+    assert reanchored == 3
+    assert overlaps(index, [prompt, *others]) == [{(1, 0): (4, 4, 4)}] + [{}] * 4
+
+
+@pytest.mark.parametrize(
+    ("seq", "reason", "lost"), [(9, "lost", 7), (1, "restart", 1)], ids=["on", "back"]
+)
+def test_a_message_that_finds_the_token_back_resyncs_as_its_suspension_was(
+    ctx: zmq.Context[zmq.Socket[bytes]], seq: int, reason: str, lost: int
+) -> None:
+    """The message path of a release (the token came back after the poll looked): a stream
+    suspended by a loss resyncs with a ``"lost"`` reset, unless its sequence went back since,
+    which is a new process: a ``"restart"`` reset."""
+    source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
+    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=0.2) as subscriber:
+        stream = subscriber._by_source[source]
+        receive_frames = subscriber._sequencer.receive
+        items = []
+        for sent in (0, 2, 5):  # a loss (one token), then one that finds none
+            items += receive_frames(stream, [b"", sent.to_bytes(8, "big"), VALID])
+        assert stream.suspended
+        time.sleep(0.25)
+        items += receive_frames(stream, [b"", seq.to_bytes(8, "big"), VALID])
+        stats = deepcopy(subscriber.stats)
+    assert shape(items) == [(0, False), ("lost", 1), (2, False), (reason, 0), (seq, False)]
+    assert stats == SubscriberStats(
+        messages=4, gaps=2, lost=lost, resyncs=1, bad_frames=Counter({BadFrame.THROTTLED: 1})
+    )
+
+
 # --------------------------------------------------------------------------- 3. bad frames
 
 VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)

@@ -123,10 +123,10 @@ class ReplayClient:
             if seq < expected:
                 continue  # already delivered
             if seq > expected:
-                if not stream.may_clear():
-                    stream.suspend(self.warn)
-                    return out
                 lost = seq - expected
+                if not stream.may_clear():
+                    stream.suspend(self.warn, "restart" if lost > self.max_gap else "lost")
+                    return out
                 if lost > self.max_gap:
                     out.append(stream.resync(self.stats, self.warn, seq))
                 else:

@@ -22,7 +22,9 @@ message it reads comes here with its source's
   message is skipped and counted ``throttled`` until a token is back. Then the clear goes out
   at once (a resync, :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
   subscriber tries at every poll), and the stream's next message starts it over; the sequence
-  numbers that message skips forward (up to ``max_gap``) are counted ``lost``;
+  numbers that message skips forward (up to ``max_gap``) are counted ``lost``. The clear is a
+  ``"lost"`` reset if a loss was what found no token (the same process goes on, and the
+  worker's block identities are kept downstream), else a ``"restart"``;
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes): counted by :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
 """
@@ -36,7 +38,7 @@ import structlog
 
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_client import ReplayClient
-from kvbridge.adapters.source import Message, StreamReset
+from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
@@ -76,17 +78,23 @@ class Sequencer:
             return None
         return seq
 
-    def _suspend(self, stream: StreamState, seq: int) -> None:
+    def _suspend(self, stream: StreamState, seq: int, reason: ResetReason = "restart") -> None:
         """No token for the clear a discontinuity needs: skip until one is back, then resync."""
-        stream.suspend(self.warn, seq)
+        stream.suspend(self.warn, reason, seq)
         self.stats.bad_frames[BadFrame.THROTTLED] += 1
 
     def _resync(
-        self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
+        self,
+        stream: StreamState,
+        frames: list[bytes],
+        seq: int,
+        out: list[Message | StreamReset],
+        reason: ResetReason = "restart",
     ) -> list[Message | StreamReset]:
-        """Start the stream over at ``seq`` with a clear; the caller has checked the token."""
+        """Start the stream over at ``seq`` with a ``reason`` clear; the caller has checked the
+        token."""
         stream.suspended = False
-        out.append(stream.resync(self.stats, self.warn, seq))
+        out.append(stream.resync(self.stats, self.warn, seq, reason))
         return self._start_over(stream, frames, seq, out)
 
     def _start_over(
@@ -120,7 +128,9 @@ class Sequencer:
                 self.stats.lost += seq - last - 1  # shed or skipped while suspended
             if stream.starting_over:  # cleared when its token came back
                 return self._start_over(stream, frames, seq, out)
-            return self._resync(stream, frames, seq, out)
+            went_back = last is not None and seq <= last  # a new process since
+            reason = "restart" if went_back else stream.suspended_for
+            return self._resync(stream, frames, seq, out, reason)
         last = stream.last
         checked: list[Message] | None = None
         replaced = False  # a new process, its sequence already past the old last

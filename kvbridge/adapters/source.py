@@ -13,7 +13,7 @@ import msgspec
 from kvbridge.adapters.endpoints import should_bind
 from kvbridge.adapters.replay_protocol import seq8
 
-__all__ = ["Message", "Source", "StreamReset"]
+__all__ = ["Message", "ResetReason", "Source", "StreamReset"]
 
 
 class Source(msgspec.Struct, frozen=True):
@@ -50,10 +50,15 @@ class Message(msgspec.Struct, frozen=True):
         return [self.topic, seq8(self.seq), self.payload]
 
 
+ResetReason = Literal["restart", "lost"]
+"""Why a stream was reset: a new process (or a stream that moved), or batches lost for good
+from the same process (whose block identities survive downstream)."""
+
+
 class StreamReset(msgspec.Struct, frozen=True):
     """The consumer must clear everything it derived from this source."""
 
     source: Source
-    reason: Literal["restart", "lost"]
+    reason: ResetReason
     lost_batches: int = 0
     """For ``"lost"``: batches that no replay could recover (a lower bound if unknown)."""

@@ -17,12 +17,11 @@ loop.
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import zmq
 
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.source import Source, StreamReset
+from kvbridge.adapters.source import ResetReason, Source, StreamReset
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats, skip_bad_frame
 
 __all__ = ["StreamState"]
@@ -49,6 +48,7 @@ class StreamState:
         "source",
         "starting_over",
         "suspended",
+        "suspended_for",
         "tokens",
         "tokens_at",
     )
@@ -73,6 +73,10 @@ class StreamState:
         self.tokens_at = time.monotonic()
         self.suspended = False
         """A discontinuity found no token: skip everything until one is back, then resync."""
+        self.suspended_for: ResetReason = "restart"
+        """What the clear that found no token was for, and so the reset a release sends: a
+        loss (the same process goes on) keeps the worker's identities downstream, a restart or
+        a jump does not."""
         self.starting_over = False
         """Cleared when a token came back after a suspension: the next message starts the
         stream over, without another clear."""
@@ -110,19 +114,26 @@ class StreamState:
         self.tokens_at = now
         return self.tokens >= 1
 
-    def reset(self, reason: Literal["restart", "lost"], lost: int = 0) -> StreamReset:
+    def reset(self, reason: ResetReason, lost: int = 0) -> StreamReset:
         """A reset of this stream, which takes a token; the caller has checked
         :meth:`may_clear`."""
         self.tokens -= 1
         return StreamReset(self.source, reason, lost)
 
-    def resync(self, stats: SubscriberStats, warn: LogLimiter, seq: int) -> StreamReset:
+    def resync(
+        self,
+        stats: SubscriberStats,
+        warn: LogLimiter,
+        seq: int,
+        reason: ResetReason = "restart",
+    ) -> StreamReset:
         """The reset that starts the stream over at ``seq``, counted and logged as a resync;
-        the caller has checked :meth:`may_clear`."""
+        the caller has checked :meth:`may_clear`. A ``"lost"`` one is for a stream suspended
+        by a loss (see :attr:`suspended_for`)."""
         stats.resyncs += 1
         endpoint = self.source.endpoint
         warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
-        return self.reset("restart")
+        return self.reset(reason)
 
     def release(self, stats: SubscriberStats, warn: LogLimiter) -> StreamReset | None:
         """The clear of a suspended stream, once a token is back; ``None`` before that.
@@ -130,7 +141,8 @@ class StreamState:
         The clear goes out as soon as it is allowed, not with the source's next message: a
         source gone quiet would otherwise leave its worker's blocks from before the
         discontinuity downstream for as long as it stays quiet. Its next message then starts
-        the stream over (:attr:`starting_over`), counted as a resync."""
+        the stream over (:attr:`starting_over`), counted as a resync. The reset is of the kind
+        the suspension was for (:attr:`suspended_for`)."""
         if not (self.suspended and self.may_clear()):
             return None
         self.suspended = False
@@ -139,7 +151,7 @@ class StreamState:
         stats.resyncs += 1
         endpoint = self.source.endpoint
         warn("clears allowed again, stream cleared", (endpoint,), stream=endpoint, last=self.last)
-        return self.reset("restart")
+        return self.reset(self.suspended_for)
 
     def end_replay_back_off(self) -> None:
         """Ask this source's replay endpoint again from now on: its publisher dropped or was
@@ -154,12 +166,13 @@ class StreamState:
         (:func:`~kvbridge.adapters.stream_stats.skip_bad_frame`)."""
         skip_bad_frame(stats.bad_frames, warn, self.source.endpoint, reason, seq)
 
-    def suspend(self, warn: LogLimiter, seq: int | None = None) -> None:
-        """No token for the clear a discontinuity needs: skip until one is back, then resync.
-        Logs the suspension once; the caller counts what it skips."""
+    def suspend(self, warn: LogLimiter, reason: ResetReason, seq: int | None = None) -> None:
+        """No token for the clear a discontinuity needs (a ``reason`` reset): skip until one
+        is back, then resync. Logs the suspension once; the caller counts what it skips."""
         if self.suspended:
             return
         self.suspended = True
+        self.suspended_for = reason
         endpoint = self.source.endpoint
         at = {} if seq is None else {"seq": seq}
         warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, **at)
