@@ -521,8 +521,9 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     ``interval``) suspends its stream. If it then goes quiet, its worker is cleared as soon as
     a clear token is back, not when it next sends (which may be never): the index does not
     keep the blocks of the process before. Its next message starts the stream over without
-    another clear. (The interval is long enough for the four restarts to land before a token
-    is back, even on a slow machine.)"""
+    another clear, after the new process's batches the suspension skipped, replayed: its
+    blocks are all indexed. (The interval is long enough for the four restarts to land before
+    a token is back, even on a slow machine.)"""
     interval = 3.0
     prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
     payloads = [
@@ -557,11 +558,18 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     # Four clears from a bucket of three take one interval's refill.
     assert cleared_after >= interval
     restart, new_life = ("restart", 0), (0, False)
-    assert shape(seen) == [(0, False), *[restart, new_life] * 3, restart, (1, False)]
+    assert shape(seen) == [
+        (0, False), *[restart, new_life] * 3, restart, (0, True), (1, False)
+    ]  # fmt: skip
     assert final == SubscriberStats(
-        messages=6, restarts=3, resyncs=1, bad_frames=Counter({BadFrame.THROTTLED: 1})
+        messages=6,
+        restarts=3,
+        resyncs=1,
+        replays=1,
+        replayed=1,
+        bad_frames=Counter({BadFrame.THROTTLED: 1}),
     )
-    assert overlaps(index, prompts) == [{}] * 5 + [{(1, 0): (3, 3, 3)}]
+    assert overlaps(index, prompts) == [{}] * 4 + [{(1, 0): (3, 3, 3)}] * 2
 
 
 def test_a_stream_suspended_by_a_loss_is_released_with_a_loss_reset(
@@ -620,15 +628,70 @@ def test_a_stream_suspended_by_a_loss_is_released_with_a_loss_reset(
     assert overlaps(index, [prompt, *others]) == [{(1, 0): (4, 4, 4)}] + [{}] * 4
 
 
+def test_a_released_stream_replays_what_its_suspension_skipped_that_the_buffer_holds(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A stream suspended by a loss starts over, after its release, with the run of skipped
+    batches the engine's replay buffer still holds up to its next message; the rest count as
+    lost. Three losses spend the clear tokens (a buffer of two batches, three batches unsent
+    each time), the fourth suspends the stream at batch 13."""
+    interval = 3.0
+    prompts = [list(range(k * 100, k * 100 + 8)) for k in range(18)]
+    payloads = [
+        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
+    ]
+    with relayed(ctx, clear_interval=interval, buffer_steps=2) as (
+        publisher,
+        source,
+        relay,
+        index,
+        seen,
+    ):
+        stats = relay.subscriber.stats
+        deliver(relay, source, publisher.publish(payloads[0]))
+        for first in range(1, 17, 4):
+            for seq in range(first, first + 3):
+                publisher.publish(payloads[seq], send=False)
+            publisher.publish(payloads[first + 3])
+            deadline = time.monotonic() + TIMEOUT
+            while stats.gaps < (first + 3) // 4:
+                assert time.monotonic() < deadline, stats
+                relay.step(20)
+        assert relay.subscriber.suspended(source)
+        deadline = time.monotonic() + TIMEOUT
+        while relay.subscriber.suspended(source):
+            assert time.monotonic() < deadline, "the suspended stream was never released"
+            relay.step(20)
+        deliver(relay, source, publisher.publish(payloads[17]))
+        final = deepcopy(stats)
+
+    rounds = [[("lost", 2), (first + 2, True), (first + 3, True)] for first in (1, 5, 9)]
+    assert shape(seen) == [
+        (0, False), *rounds[0], *rounds[1], *rounds[2], ("lost", 0), (16, True), (17, False)
+    ]  # fmt: skip
+    assert final == SubscriberStats(
+        messages=6,
+        gaps=4,
+        replays=5,
+        replayed=7,
+        duplicates=3,
+        lost=9,
+        resyncs=1,
+        bad_frames=Counter({BadFrame.THROTTLED: 1}),
+    )
+    assert overlaps(index, prompts) == [{}] * 16 + [{(1, 0): (2, 2, 2)}] * 2
+
+
 @pytest.mark.parametrize(
-    ("seq", "reason", "lost"), [(9, "lost", 7), (1, "restart", 1)], ids=["on", "back"]
+    ("seq", "reason", "lost"), [(9, "lost", 7), (1, "restart", 2)], ids=["on", "back"]
 )
 def test_a_message_that_finds_the_token_back_resyncs_as_its_suspension_was(
     ctx: zmq.Context[zmq.Socket[bytes]], seq: int, reason: str, lost: int
 ) -> None:
     """The message path of a release (the token came back after the poll looked): a stream
     suspended by a loss resyncs with a ``"lost"`` reset, unless its sequence went back since,
-    which is a new process: a ``"restart"`` reset."""
+    which is a new process: a ``"restart"`` reset. What the suspension skipped counts as lost
+    (no replay endpoint here): batches 3-8 of the same process, or batch 0 of the new one."""
     source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
     with Subscriber([source], context=ctx, clear_burst=1, clear_interval=0.2) as subscriber:
         stream = subscriber._by_source[source]

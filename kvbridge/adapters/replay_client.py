@@ -3,7 +3,7 @@ batches a stream missed, within bounds, and turning what cannot be had into rese
 
 One DEALER per source, opened on its first replay, speaks both reply layouts (without a topic
 frame before vLLM 0.26, with one after; :mod:`~kvbridge.adapters.replay_protocol` has the
-frames). Its two uses, and the bounds on one answer:
+frames). Its uses, and the bounds on one answer:
 
 - **recovery** (:meth:`ReplayClient.recover`): a gap, or the start of a stream, is filled from
   the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout, a
@@ -12,6 +12,8 @@ frames). Its two uses, and the bounds on one answer:
   of the loss, since a lost removal would leave a stale block downstream;
 - **the publisher check** after a reconnect (:meth:`ReplayClient.check_publisher`): the batch
   delivered last, replayed, must be the same bytes, or the publisher is a new process;
+- **a start-over** after a suspension (:meth:`ReplayClient.run_before`): the batches the
+  suspension skipped, after the clear, as far as they reach the next live one unbroken;
 - **bounds** on one answer: at most ``max_messages`` batches and ``max_bytes`` of payload are
   read [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is
   discarded (``replay_truncated``, the DEALER closed so that its tail is not read as the next
@@ -125,7 +127,10 @@ class ReplayClient:
             if seq > expected:
                 lost = seq - expected
                 if not stream.may_clear():
-                    stream.suspend(self.warn, "restart" if lost > self.max_gap else "lost")
+                    if lost > self.max_gap:
+                        stream.suspend(self.warn, "restart")
+                    else:
+                        stream.suspend(self.warn, "lost", resume_from=expected)
                     return out
                 if lost > self.max_gap:
                     out.append(stream.resync(self.stats, self.warn, seq))
@@ -144,6 +149,27 @@ class ReplayClient:
             self.stats.replayed += 1
             out.append(message)
         return out
+
+    def run_before(self, stream: StreamState, start: int, end: int) -> list[Message]:
+        """Of the batches ``start .. end - 1``, those the replay still holds as one run that
+        ends at ``end - 1``; empty without a replay endpoint or within a back-off.
+
+        For a stream that starts over at ``end`` after a clear: a batch missing before the
+        run leaves blocks unknown downstream, which the clear made so anyway, but one missing
+        inside it could be the removal of a block the run stored, so the run starts after the
+        last hole."""
+        if not stream.source.replay_endpoint:
+            return []
+        run: list[Message] = []
+        for message in self.fetch(stream, start):
+            if message.seq >= end:
+                break
+            if message.seq < start or (run and message.seq <= run[-1].seq):
+                continue  # not asked for, or out of order
+            if run and message.seq != run[-1].seq + 1:
+                run = []
+            run.append(message)
+        return run if run and run[-1].seq == end - 1 else []
 
     def fetch(self, stream: StreamState, start: int, *, in_back_off: bool = False) -> list[Message]:
         """Ask the replay socket for every batch from ``start``; both vLLM reply layouts.

@@ -21,10 +21,13 @@ message it reads comes here with its source's
 - **throttled**: a restart, gap or jump that finds no clear token suspends the stream: every
   message is skipped and counted ``throttled`` until a token is back. Then the clear goes out
   at once (a resync, :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
-  subscriber tries at every poll), and the stream's next message starts it over; the sequence
-  numbers that message skips forward (up to ``max_gap``) are counted ``lost``. The clear is a
-  ``"lost"`` reset if a loss was what found no token (the same process goes on, and the
-  worker's block identities are kept downstream), else a ``"restart"``;
+  subscriber tries at every poll), and the stream's next message starts it over. Before it come
+  the batches the suspension skipped (from the loss, or from 0 for a new process) that the
+  replay still holds, as the run that reaches that message
+  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.run_before`); the others (up to
+  ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
+  token (the same process goes on, and the worker's block identities are kept downstream),
+  else a ``"restart"``;
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes): counted by :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
 """
@@ -78,9 +81,10 @@ class Sequencer:
             return None
         return seq
 
-    def _suspend(self, stream: StreamState, seq: int, reason: ResetReason = "restart") -> None:
-        """No token for the clear a discontinuity needs: skip until one is back, then resync."""
-        stream.suspend(self.warn, reason, seq)
+    def _suspend(self, stream: StreamState, seq: int, resume_from: int | None = None) -> None:
+        """No token for the clear a restart or a jump needs: skip until one is back, then
+        resync (and replay from ``resume_from``)."""
+        stream.suspend(self.warn, "restart", seq, resume_from=resume_from)
         self.stats.bad_frames[BadFrame.THROTTLED] += 1
 
     def _resync(
@@ -100,13 +104,25 @@ class Sequencer:
     def _start_over(
         self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
     ) -> list[Message | StreamReset]:
-        """Start the stream over at ``seq``, its clear sent."""
+        """Start the stream over at ``seq``, its clear sent: first the batches a suspension
+        skipped (from :attr:`~kvbridge.adapters.stream_state.StreamState.resume_from`) that the
+        replay still holds, as the run that reaches ``seq``; the others count as lost."""
+        resume, stream.resume_from = stream.resume_from, None
         stream.starting_over = False
         stream.jumped_to = None
         stream.reconnected = False  # not taken as a continuation: nothing to check
+        stream.replayed_through = -1
+        if resume is not None and 0 < seq - resume <= self.max_gap:
+            run = self.replay.run_before(stream, resume, seq)
+            lost = seq - resume - len(run)
+            if lost:
+                self.stats.lost += lost
+                endpoint = stream.source.endpoint
+                self.warn("batches lost", (endpoint,), stream=endpoint, first=resume, count=lost)
+            self.stats.replayed += len(run)
+            out.extend(run)
         stream.last = stream.live_last = seq
         stream.last_payload = frames[2]
-        stream.replayed_through = -1
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
 
@@ -123,14 +139,11 @@ class Sequencer:
             if stream.suspended and not stream.may_clear():
                 self._suspend(stream, seq)
                 return out
-            last = stream.last
-            if last is not None and 0 < seq - last - 1 <= self.max_gap:
-                self.stats.lost += seq - last - 1  # shed or skipped while suspended
+            if stream.last is not None and seq <= stream.last:  # a new process since
+                stream.suspended_for, stream.resume_from = "restart", 0
             if stream.starting_over:  # cleared when its token came back
                 return self._start_over(stream, frames, seq, out)
-            went_back = last is not None and seq <= last  # a new process since
-            reason = "restart" if went_back else stream.suspended_for
-            return self._resync(stream, frames, seq, out, reason)
+            return self._resync(stream, frames, seq, out, stream.suspended_for)
         last = stream.last
         checked: list[Message] | None = None
         replaced = False  # a new process, its sequence already past the old last
@@ -145,7 +158,7 @@ class Sequencer:
                 stream.live_last = seq
                 return out
             if not stream.may_clear():
-                self._suspend(stream, seq)
+                self._suspend(stream, seq, resume_from=0)  # a new process: its batches from 0
                 return out
             self.stats.restarts += 1
             self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)

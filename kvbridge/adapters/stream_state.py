@@ -44,6 +44,7 @@ class StreamState:
         "replay_failures",
         "replay_resumes_at",
         "replayed_through",
+        "resume_from",
         "socket",
         "source",
         "starting_over",
@@ -77,6 +78,11 @@ class StreamState:
         """What the clear that found no token was for, and so the reset a release sends: a
         loss (the same process goes on) keeps the worker's identities downstream, a restart or
         a jump does not."""
+        self.resume_from: int | None = None
+        """The first batch a suspension skipped, that the replay may still hold: the loss's
+        first batch, or 0 for a new process. When the stream starts over, the run of them that
+        reaches its next message is replayed (see :mod:`~kvbridge.adapters.sequencing`).
+        ``None`` for a jump, whose skipped batches mean nothing."""
         self.starting_over = False
         """Cleared when a token came back after a suspension: the next message starts the
         stream over, without another clear."""
@@ -166,13 +172,22 @@ class StreamState:
         (:func:`~kvbridge.adapters.stream_stats.skip_bad_frame`)."""
         skip_bad_frame(stats.bad_frames, warn, self.source.endpoint, reason, seq)
 
-    def suspend(self, warn: LogLimiter, reason: ResetReason, seq: int | None = None) -> None:
+    def suspend(
+        self,
+        warn: LogLimiter,
+        reason: ResetReason,
+        seq: int | None = None,
+        *,
+        resume_from: int | None = None,
+    ) -> None:
         """No token for the clear a discontinuity needs (a ``reason`` reset): skip until one
-        is back, then resync. Logs the suspension once; the caller counts what it skips."""
+        is back, then resync, replaying from ``resume_from`` (:attr:`resume_from`). Logs the
+        suspension once; the caller counts what it skips."""
         if self.suspended:
             return
         self.suspended = True
         self.suspended_for = reason
+        self.resume_from = resume_from
         endpoint = self.source.endpoint
         at = {} if seq is None else {"seq": seq}
         warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, **at)
