@@ -37,6 +37,7 @@ from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
 from kvbridge.adapters.subscriber import DEFAULT_CLEAR_INTERVAL_S, MAX_FRAME_BYTES, Subscriber
 from kvbridge.schemas.vllm import Event
@@ -347,13 +348,55 @@ def test_replay_socket_that_never_answers_times_out_into_a_loss(
     assert waited >= 0.3
 
 
+def test_a_replay_that_goes_unanswered_holds_up_its_own_source_only(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """While one source waits for a replay that no one answers, the others are read as usual;
+    the waiting source's own messages come after the timeout, in their order."""
+    payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(6)]
+    quiet, served = engine_publisher(ctx, replay=False)
+    waiting = Source(served.endpoint, f"tcp://127.0.0.1:{free_port_range(1)}", 1)  # no one serves
+    other, other_source = engine_publisher(ctx)
+    arrived: dict[tuple[bool, int], float] = {}
+    """When each batch came out, by (from the waiting source, seq)."""
+    with (
+        quiet,
+        other,
+        Subscriber([waiting, other_source], context=ctx, replay_timeout=1.5) as subscriber,
+    ):
+        assert quiet.wait_for_subscribers(timeout=TIMEOUT)
+        assert other.wait_for_subscribers(timeout=TIMEOUT)
+        quiet.publish(payloads[0])
+        other.publish(payloads[0])
+        items = receive(subscriber, 2)
+        quiet.publish(payloads[1], send=False)
+        quiet.publish(payloads[2])  # a gap: its replay is never answered
+        quiet.publish(payloads[3])
+        began = time.monotonic()
+        for seq in (1, 2, 3):
+            other.publish(payloads[seq])
+        deadline = began + TIMEOUT
+        while len(arrived) < 5:
+            assert time.monotonic() < deadline, (arrived, subscriber.stats)
+            for item in subscriber.poll(20):
+                items.append(item)
+                if isinstance(item, Message):
+                    arrived[item.source == waiting, item.seq] = time.monotonic() - began
+        stats = deepcopy(subscriber.stats)
+
+    assert [seq for from_waiting, seq in arrived if from_waiting] == [2, 3]
+    assert max(arrived[False, seq] for seq in (1, 2, 3)) < 1.0
+    assert arrived[True, 2] >= 1.5
+    assert [shape([item]) for item in items if not isinstance(item, Message)] == [[("lost", 1)]]
+    assert stats == SubscriberStats(messages=7, gaps=1, replays=1, replay_timeouts=1, lost=1)
+
+
 def test_after_a_replay_timeout_the_source_is_not_asked_again_until_its_back_off_passes(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """A replay blocks the subscriber's other sources until it is answered or times out. After
-    a timeout, the gaps of that source within the back-off (the timeout, doubled after each
-    further timeout in a row) are lost at once, without asking; after it, the endpoint is
-    asked again."""
+    """A replay holds up its source until it is answered or times out. After a timeout, the
+    gaps of that source within the back-off (the timeout, doubled after each further timeout
+    in a row) are lost at once, without asking; after it, the endpoint is asked again."""
     payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(7)]
     publisher, served = engine_publisher(ctx, replay=False)
     source = Source(served.endpoint, f"tcp://127.0.0.1:{free_port_range(1)}", 1)  # nobody serves it
@@ -653,10 +696,12 @@ def test_a_released_stream_replays_what_its_suspension_skipped_that_the_buffer_h
             for seq in range(first, first + 3):
                 publisher.publish(payloads[seq], send=False)
             publisher.publish(payloads[first + 3])
-            deadline = time.monotonic() + TIMEOUT
-            while stats.gaps < (first + 3) // 4:
-                assert time.monotonic() < deadline, stats
-                relay.step(20)
+            if first < 13:
+                deliver(relay, source, first + 3)  # its replay answered
+        deadline = time.monotonic() + TIMEOUT
+        while not stats.bad_frames[BadFrame.THROTTLED]:
+            assert time.monotonic() < deadline, stats
+            relay.step(20)
         assert relay.subscriber.suspended(source)
         deadline = time.monotonic() + TIMEOUT
         while relay.subscriber.suspended(source):
@@ -695,7 +740,16 @@ def test_a_message_that_finds_the_token_back_resyncs_as_its_suspension_was(
     source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
     with Subscriber([source], context=ctx, clear_burst=1, clear_interval=0.2) as subscriber:
         stream = subscriber._by_source[source]
-        receive_frames = subscriber._sequencer.receive
+
+        def receive_frames(stream: StreamState, frames: list[bytes]) -> list[object]:
+            """The sequencer's items for one message (this source has no replay to wait for)."""
+            result = subscriber._sequencer.receive(stream, frames)
+            if isinstance(result, list):
+                return list(result)
+            with pytest.raises(StopIteration) as done:
+                next(result)
+            return list(done.value.value)
+
         items = []
         for sent in (0, 2, 5):  # a loss (one token), then one that finds none
             items += receive_frames(stream, [b"", sent.to_bytes(8, "big"), VALID])

@@ -18,19 +18,25 @@ frames). Its uses, and the bounds on one answer:
   read [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is
   discarded (``replay_truncated``, the DEALER closed so that its tail is not read as the next
   answer) and what it held counts as lost;
-- **back-off** after a timeout: a replay waits for its answer, and the subscriber's other
-  sources wait with it. So after a replay of a source times out, that source's replays are not
-  asked for (``replays_skipped``, their batches count as lost) for as long as the timeout, then
-  twice as long after each further timeout in a row, up to :data:`REPLAY_BACKOFF_MAX_S`; an
-  answer ends the back-off. A dead replay endpoint then costs one timeout a back-off, not one
-  a gap.
+- **back-off** after a timeout: while a replay waits for its answer, its source is not read
+  (the others are, see :mod:`~kvbridge.adapters.replays_in_flight`). So after a replay of a
+  source times out, that source's replays are not asked for (``replays_skipped``, their
+  batches count as lost) for as long as the timeout, then twice as long after each further
+  timeout in a row, up to :data:`REPLAY_BACKOFF_MAX_S`; an answer ends the back-off. A dead
+  replay endpoint then holds up its source one timeout a back-off, not one a gap.
+
+The recovery methods are generators (:data:`Replaying`): they yield a :class:`Fetch` where
+they need an answer, and the subscriber sends the request (:meth:`ReplayClient.begin`), reads
+the answer as it arrives (:meth:`ReplayClient.read`) and sends it back
+(:meth:`ReplayClient.end`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import KW_ONLY, dataclass
-from typing import Final
+from collections.abc import Generator
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Final, TypeAlias, TypeVar
 
 import zmq
 
@@ -45,13 +51,51 @@ __all__ = [
     "DEFAULT_REPLAY_MAX_BYTES",
     "DEFAULT_REPLAY_MAX_MESSAGES",
     "REPLAY_BACKOFF_MAX_S",
+    "Answer",
+    "Fetch",
     "ReplayClient",
+    "Replaying",
 ]
 
 DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
 DEFAULT_REPLAY_MAX_BYTES: Final = 256 * 1024 * 1024
 REPLAY_BACKOFF_MAX_S: Final = 60.0
 """The longest a source's replays are skipped after timeouts in a row."""
+
+
+@dataclass(frozen=True, eq=False)
+class Fetch:
+    """A replay that a stream's sequencing waits for: every batch of ``stream`` from
+    ``start``. The sequencing yields it and is sent the batches that came (:data:`Replaying`).
+    """
+
+    stream: StreamState
+    start: int
+    in_back_off: bool = False
+    """Asked for within the source's back-off too (the publisher check)."""
+
+
+_T = TypeVar("_T")
+Replaying: TypeAlias = Generator[Fetch, list[Message], _T]
+"""Sequencing that may wait for replays: a generator that yields each :class:`Fetch`, is sent
+its batches, and returns its result. Whoever drives it sends the requests and reads the
+answers alongside everything else (see :mod:`~kvbridge.adapters.replays_in_flight`)."""
+
+
+@dataclass(eq=False)
+class Answer:
+    """A replay request sent, and its answer as read so far."""
+
+    stream: StreamState
+    start: int
+    dealer: zmq.Socket[bytes]
+    deadline: float
+    """When it times out (``time.monotonic()``)."""
+    messages: list[Message] = field(default_factory=list)
+    size: int = 0
+    """Payload bytes read."""
+    cut: bool = False
+    """Its bounds were reached: the rest was not read."""
 
 
 @dataclass(eq=False)
@@ -75,12 +119,8 @@ class ReplayClient:
     maxmsgsize: int
     rcvhwm: int
     max_gap: int
-    fetched_at: float = 0.0
-    """When the last replay ended (``time.monotonic()``), answered or not: a poll that
-    replays many streams is still moving on (:attr:`Subscriber.progressed_at
-    <kvbridge.adapters.subscriber.Subscriber.progressed_at>`)."""
 
-    def check_publisher(self, stream: StreamState, last: int) -> list[Message] | None:
+    def check_publisher(self, stream: StreamState, last: int) -> Replaying[list[Message] | None]:
         """After a reconnect: the replay from ``last`` if its first batch is the one delivered
         as ``last`` (the same publisher, so the replay fills what the drop cost), else ``None``
         (a new process, or one that cannot show it is not). Without a replay endpoint the
@@ -89,7 +129,7 @@ class ReplayClient:
         self.stats.reconnect_checks += 1
         if not stream.source.replay_endpoint:
             return []
-        answer = self.fetch(stream, last, in_back_off=True)
+        answer = yield Fetch(stream, last, in_back_off=True)
         if answer and answer[0].seq == last and answer[0].payload == stream.last_payload:
             return answer
         endpoint = stream.source.endpoint
@@ -102,7 +142,7 @@ class ReplayClient:
         start: int,
         live_seq: int | None,
         replayed: list[Message] | None = None,
-    ) -> list[Message | StreamReset]:
+    ) -> Replaying[list[Message | StreamReset]]:
         """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
         replay socket, unless ``replayed`` is an answer already fetched from ``start`` or
         before. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at the point
@@ -113,7 +153,7 @@ class ReplayClient:
         nothing counted lost. A loss that finds no clear token suspends the stream and ends the
         recovery there (the live message that led here counts the skip)."""
         if replayed is None:
-            replayed = self.fetch(stream, start) if stream.source.replay_endpoint else []
+            replayed = (yield Fetch(stream, start)) if stream.source.replay_endpoint else []
         out: list[Message | StreamReset] = []
         expected = start
         endpoint = stream.source.endpoint
@@ -150,7 +190,7 @@ class ReplayClient:
             out.append(message)
         return out
 
-    def run_before(self, stream: StreamState, start: int, end: int) -> list[Message]:
+    def run_before(self, stream: StreamState, start: int, end: int) -> Replaying[list[Message]]:
         """Of the batches ``start .. end - 1``, those the replay still holds as one run that
         ends at ``end - 1``; empty without a replay endpoint or within a back-off.
 
@@ -161,7 +201,7 @@ class ReplayClient:
         if not stream.source.replay_endpoint:
             return []
         run: list[Message] = []
-        for message in self.fetch(stream, start):
+        for message in (yield Fetch(stream, start)):
             if message.seq >= end:
                 break
             if message.seq < start or (run and message.seq <= run[-1].seq):
@@ -171,54 +211,39 @@ class ReplayClient:
             run.append(message)
         return run if run and run[-1].seq == end - 1 else []
 
-    def fetch(self, stream: StreamState, start: int, *, in_back_off: bool = False) -> list[Message]:
-        """Ask the replay socket for every batch from ``start``; both vLLM reply layouts.
-
-        Reads at most ``max_messages`` batches and ``max_bytes`` of payload; past that the
-        answer is abandoned (its DEALER closed), and what it held counts as lost. Within the
-        back-off after a timeout (see the module's "back-off") nothing is asked for and the
-        answer is empty, unless ``in_back_off``."""
-        if not in_back_off and time.monotonic() < stream.replay_resumes_at:
+    def begin(self, fetch: Fetch) -> Answer | None:
+        """Send ``fetch``'s request (both vLLM reply layouts are read); ``None`` if it is not
+        asked for, within the source's back-off after a timeout (see the module's "back-off"),
+        unless ``fetch.in_back_off``: its answer is empty."""
+        stream = fetch.stream
+        if not fetch.in_back_off and time.monotonic() < stream.replay_resumes_at:
             self.stats.replays_skipped += 1
-            return []
+            return None
         self.stats.replays += 1
+        dealer = self._dealer(stream)
+        dealer.send_multipart(request_frames(fetch.start))
+        return Answer(stream, fetch.start, dealer, time.monotonic() + self.timeout)
+
+    def read(self, answer: Answer) -> bool:
+        """Read what has arrived of ``answer``, without waiting; whether it is whole: its end
+        marker came, or its bounds were reached (``max_messages`` batches, ``max_bytes`` of
+        payload), past which the rest is discarded and counts as lost (``replay_truncated``)."""
+        stream = answer.stream
         source = stream.source
-        assert source.replay_endpoint is not None
-        if stream.dealer is None:
-            stream.dealer = self.context.socket(zmq.DEALER)
-            stream.dealer.setsockopt(zmq.LINGER, 0)
-            stream.dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
-            stream.dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
-            address = loopback(source.replay_endpoint)
-            allow_ipv6(stream.dealer, address)
-            stream.dealer.connect(address)
-        dealer = stream.dealer
-        dealer.send_multipart(request_frames(start))
-        messages: list[Message] = []
-        size = 0
         expected_topic = source.topic.encode()
-        deadline = time.monotonic() + self.timeout
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
-                self.warn(
-                    "replay timed out",
-                    (source.replay_endpoint,),
-                    stream=source.replay_endpoint,
-                    start=start,
-                )
-                self.stats.replay_timeouts += 1
-                self.close_dealer(stream)  # late replies must not be read as the next replay's
-                self._back_off(stream)
-                break
-            answer = parse_answer(dealer.recv_multipart(), expected_topic)
-            if answer is None:
+            try:
+                frames = answer.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            parsed = parse_answer(frames, expected_topic)
+            if parsed is None:
                 stream.skip_frame(self.stats, self.warn, BadFrame.REPLAY_FRAME_COUNT)
                 continue
-            topic, seq_frame, payload = answer
+            topic, seq_frame, payload = parsed
             stream.replay_failures = 0  # it answers
             if seq_frame == END_SEQ or not payload:
-                break
+                return True
             if len(seq_frame) != 8:
                 stream.skip_frame(self.stats, self.warn, BadFrame.BAD_SEQ)
                 continue
@@ -226,21 +251,50 @@ class ReplayClient:
             if len(payload) > self.max_frame_bytes:
                 stream.skip_frame(self.stats, self.warn, BadFrame.OVERSIZED, seq)
                 continue
-            messages.append(Message(source, seq, topic, payload, time.time_ns(), replayed=True))
-            size += len(payload)
-            if len(messages) >= self.max_messages or size >= self.max_bytes:
+            answer.messages.append(
+                Message(source, seq, topic, payload, time.time_ns(), replayed=True)
+            )
+            answer.size += len(payload)
+            if len(answer.messages) >= self.max_messages or answer.size >= self.max_bytes:
                 self.stats.replay_truncated += 1
                 self.warn(
                     "replay answer truncated",
                     (source.replay_endpoint,),
                     stream=source.replay_endpoint,
-                    messages=len(messages),
-                    bytes=size,
+                    messages=len(answer.messages),
+                    bytes=answer.size,
                 )
-                self.close_dealer(stream)  # the rest of this answer must not be the next one's
-                break
-        self.fetched_at = time.monotonic()
-        return messages
+                answer.cut = True
+                return True
+
+    def end(self, answer: Answer, *, timed_out: bool) -> list[Message]:
+        """The batches of ``answer``, whole or past its deadline (a timeout: the source backs
+        off). The caller no longer polls its DEALER: a cut or timed-out answer's DEALER is
+        closed here, so that its tail or late replies are not read as the next answer's."""
+        stream = answer.stream
+        if timed_out:
+            endpoint = stream.source.replay_endpoint
+            self.warn("replay timed out", (endpoint,), stream=endpoint, start=answer.start)
+            self.stats.replay_timeouts += 1
+            self._back_off(stream)
+        if timed_out or answer.cut:
+            self.close_dealer(stream)
+        return answer.messages
+
+    def _dealer(self, stream: StreamState) -> zmq.Socket[bytes]:
+        """The source's replay DEALER, opened on its first replay."""
+        if stream.dealer is None:
+            source = stream.source
+            assert source.replay_endpoint is not None
+            dealer = self.context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
+            address = loopback(source.replay_endpoint)
+            allow_ipv6(dealer, address)
+            dealer.connect(address)
+            stream.dealer = dealer
+        return stream.dealer
 
     def _back_off(self, stream: StreamState) -> None:
         """Skip the replays of ``stream`` for a while after a timeout (see the module's
@@ -260,7 +314,7 @@ class ReplayClient:
 
     def close_dealer(self, stream: StreamState) -> None:
         """Close the replay socket this client opened for ``stream``, if any; the next
-        :meth:`fetch` opens a new one."""
+        :meth:`begin` opens a new one."""
         if stream.dealer is not None:
             stream.dealer.close(0)
             stream.dealer = None

@@ -40,7 +40,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import structlog
 
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_client import ReplayClient
+from kvbridge.adapters.replay_client import ReplayClient, Replaying
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
@@ -94,16 +94,16 @@ class Sequencer:
         seq: int,
         out: list[Message | StreamReset],
         reason: ResetReason = "restart",
-    ) -> list[Message | StreamReset]:
+    ) -> Replaying[list[Message | StreamReset]]:
         """Start the stream over at ``seq`` with a ``reason`` clear; the caller has checked the
         token."""
         stream.suspended = False
         out.append(stream.resync(self.stats, self.warn, seq, reason))
-        return self._start_over(stream, frames, seq, out)
+        return (yield from self._start_over(stream, frames, seq, out))
 
     def _start_over(
         self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
-    ) -> list[Message | StreamReset]:
+    ) -> Replaying[list[Message | StreamReset]]:
         """Start the stream over at ``seq``, its clear sent: first the batches a suspension
         skipped (from :attr:`~kvbridge.adapters.stream_state.StreamState.resume_from`) that the
         replay still holds, as the run that reaches ``seq``; the others count as lost."""
@@ -113,7 +113,7 @@ class Sequencer:
         stream.reconnected = False  # not taken as a continuation: nothing to check
         stream.replayed_through = -1
         if resume is not None and 0 < seq - resume <= self.max_gap:
-            run = self.replay.run_before(stream, resume, seq)
+            run = yield from self.replay.run_before(stream, resume, seq)
             lost = seq - resume - len(run)
             if lost:
                 self.stats.lost += lost
@@ -126,13 +126,29 @@ class Sequencer:
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
 
-    def receive(self, stream: StreamState, frames: list[bytes]) -> list[Message | StreamReset]:
+    def receive(
+        self, stream: StreamState, frames: list[bytes]
+    ) -> list[Message | StreamReset] | Replaying[list[Message | StreamReset]]:
         """What one live message of ``stream`` delivers: the batch, the replayed batches and
-        resets before it, or nothing (a bad frame, a duplicate, a suspended stream)."""
+        resets before it, or nothing (a bad frame, a duplicate, a suspended stream). The next
+        batch of a stream in order is delivered at once; any other message is worked out by a
+        generator that may wait for replays (:data:`Replaying`)."""
         seq = self._check(stream, frames)
         if seq is None:
             return []
         self.stats.messages += 1
+        last = stream.last
+        if last is not None and seq == last + 1 and not stream.out_of_order:
+            stream.jumped_to = None
+            stream.last = stream.live_last = seq
+            stream.last_payload = frames[2]
+            return [Message(stream.source, seq, frames[0], frames[2], time.time_ns())]
+        return self._sequence(stream, frames, seq)
+
+    def _sequence(
+        self, stream: StreamState, frames: list[bytes], seq: int
+    ) -> Replaying[list[Message | StreamReset]]:
+        """What :meth:`receive` delivers for any message but the next in order."""
         out: list[Message | StreamReset] = []
         endpoint = stream.source.endpoint
         if stream.suspended or stream.starting_over:
@@ -142,15 +158,15 @@ class Sequencer:
             if stream.last is not None and seq <= stream.last:  # a new process since
                 stream.suspended_for, stream.resume_from = "restart", 0
             if stream.starting_over:  # cleared when its token came back
-                return self._start_over(stream, frames, seq, out)
-            return self._resync(stream, frames, seq, out, stream.suspended_for)
+                return (yield from self._start_over(stream, frames, seq, out))
+            return (yield from self._resync(stream, frames, seq, out, stream.suspended_for))
         last = stream.last
         checked: list[Message] | None = None
         replaced = False  # a new process, its sequence already past the old last
         if stream.reconnected:
             stream.reconnected = False
             if last is not None and seq > last:
-                checked = self.replay.check_publisher(stream, last)
+                checked = yield from self.replay.check_publisher(stream, last)
                 replaced = checked is None
         if last is not None and (replaced or seq <= last):
             if not replaced and stream.live_last < seq <= stream.replayed_through:
@@ -176,11 +192,11 @@ class Sequencer:
                 if not stream.may_clear():  # it did move there: start over
                     self._suspend(stream, seq)
                     return out
-                return self._resync(stream, frames, seq, out)
+                return (yield from self._resync(stream, frames, seq, out))
             if last is not None:
                 self.stats.gaps += 1
                 self.info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
-            out.extend(self.replay.recover(stream, expected, seq, checked))
+            out.extend((yield from self.replay.recover(stream, expected, seq, checked)))
             if stream.suspended:
                 self.stats.bad_frames[BadFrame.THROTTLED] += 1
                 return out

@@ -4,14 +4,13 @@ Prometheus metrics on ``/metrics`` and a health check on ``/healthz``, on one po
 
 The server answers from a thread of its own, so an answer proves nothing about the loop that
 does the work. ``/healthz`` answers 200 while that loop moves on, and 503 once it has not for
-``stall_s`` seconds (:data:`DEFAULT_STALL_S`, longer with a long replay timeout): a loop stuck
-on something, or one whose thread died. The loop moves on when it begins a poll, at least every
-100 ms, and when a replay ends, answered or timed out
-(:attr:`~kvbridge.adapters.subscriber.Subscriber.progressed_at`). A poll brings at most its
-budget of live messages and the answers of the replays it asked for, each bounded, and
-start-up replays come one source a poll; so a working relay stays far from the bound. It is
-what a Kubernetes liveness probe asks; a readiness probe can ask the same, as a relay takes
-listeners from the moment its outputs are bound.
+``stall_s`` seconds (:data:`DEFAULT_STALL_S`): a loop stuck on something, or one whose thread
+died. The loop moves on when it begins a poll, at least every 100 ms
+(:attr:`~kvbridge.adapters.subscriber.Subscriber.progressed_at`): a poll reads at most its
+budget of live messages and what has arrived of the replays it waits for, without waiting
+for any, so a working relay stays far from the bound. It is what a Kubernetes liveness probe
+asks; a readiness probe can ask the same, as a relay takes listeners from the moment its
+outputs are bound.
 
 The body is JSON (:class:`Health`): the status, how long ago the loop last moved on, and per
 source its endpoint, worker id, the seq of its last batch delivered and whether its stream is
@@ -45,7 +44,6 @@ __all__ = [
     "DEFAULT_STALL_S",
     "HEALTH_PATH",
     "METRICS_HOST",
-    "STALL_REPLAY_TIMEOUTS",
     "Health",
     "SourceHealth",
     "health",
@@ -57,10 +55,6 @@ METRICS_HOST: Final = "127.0.0.1"
 HEALTH_PATH: Final = "/healthz"
 DEFAULT_STALL_S: Final = 10.0
 """Seconds of a loop that does not move on after which ``/healthz`` answers 503."""
-STALL_REPLAY_TIMEOUTS: Final = 5
-"""The default stall bound in replay timeouts, where that is longer than
-:data:`DEFAULT_STALL_S`: a replay that is not answered moves the loop on only when it times
-out."""
 _IDLE_TIMEOUT_S: Final = 10.0
 
 
@@ -150,7 +144,7 @@ def serve_metrics(
     relay: Relay | None = None,
     subscriber: Subscriber | None = None,
     host: str = METRICS_HOST,
-    stall_s: float | None = None,
+    stall_s: float = DEFAULT_STALL_S,
 ) -> WSGIServer:
     """Serve ``http://host:port/metrics`` and ``/healthz`` from a daemon thread: the relay's
     (or a bare subscriber's) counters with the process's (``process_*``: memory, CPU, file
@@ -158,13 +152,9 @@ def serve_metrics(
     relay's own). Returns the server, for a caller that stops it (``shutdown()``, then
     ``server_close()``) before it closes the subscriber.
 
-    ``stall_s`` defaults to :data:`DEFAULT_STALL_S`, or to :data:`STALL_REPLAY_TIMEOUTS` of the
-    subscriber's replay timeouts if that is longer.
-
     Raises:
         ImportError: prometheus-client is not installed.
-        ValueError: neither a relay nor a subscriber, or a ``stall_s`` that one unanswered
-            replay would exceed.
+        ValueError: neither a relay nor a subscriber.
         OSError: ``host`` and ``port`` cannot be bound.
     """
     try:
@@ -176,14 +166,6 @@ def serve_metrics(
     subscriber = subscriber or (relay.subscriber if relay is not None else None)
     if subscriber is None:
         raise ValueError("serve_metrics needs a relay or a subscriber")
-    if stall_s is None:
-        stall_s = max(DEFAULT_STALL_S, STALL_REPLAY_TIMEOUTS * subscriber.replay_client.timeout)
-    if stall_s <= subscriber.replay_client.timeout:
-        raise ValueError(
-            f"stall_s {stall_s} must exceed the replay timeout "
-            f"{subscriber.replay_client.timeout}: a replay that is not answered moves on "
-            "only when it times out"
-        )
     registry = metrics_registry(relay, subscriber)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)

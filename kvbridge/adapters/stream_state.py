@@ -110,6 +110,12 @@ class StreamState:
         """Highest sequence a replay delivered. A live message above ``live_last`` and up to
         this is a late copy of a replayed batch; anything else that goes back is a restart."""
 
+    @property
+    def out_of_order(self) -> bool:
+        """Whether even the next batch in sequence needs more than delivering: the stream is
+        suspended, starting over, or reconnected (its publisher to be checked)."""
+        return self.suspended or self.starting_over or self.reconnected
+
     def may_clear(self) -> bool:
         """Whether a token is there for a clear, after refilling the bucket for the time
         since the last look."""

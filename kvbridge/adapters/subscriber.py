@@ -22,10 +22,12 @@ handles the sockets:
   stream that starts over after a suspension has nothing to continue, and checks nothing.)
   A drop also ends the source's replay back-off (see
   :mod:`~kvbridge.adapters.replay_client`).
-- **replay on start**: with ``replay_on_start``, each source with a replay endpoint is asked
-  for everything from 0 before any live message, so that the batches of an engine that has
-  gone idle arrive too; one source a poll, so that a poll brings at most one replay's answer
-  (at most ``replay_max_messages``) and the consumer works through it before the next.
+- **replays**: a stream that waits for a replay is not read until the answer is in (or timed
+  out), and every other source is read meanwhile (see
+  :mod:`~kvbridge.adapters.replays_in_flight`; ``max_replays`` answers at a time
+  [:data:`~kvbridge.adapters.replays_in_flight.DEFAULT_MAX_REPLAYS`]). With
+  ``replay_on_start``, each source with a replay endpoint is asked for everything from 0
+  before any of its live messages, so that the batches of an engine gone idle arrive too.
 
 Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
 
@@ -76,6 +78,7 @@ from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_MESSAGES,
     ReplayClient,
 )
+from kvbridge.adapters.replays_in_flight import DEFAULT_MAX_REPLAYS, ReplaysInFlight
 from kvbridge.adapters.sequencing import Sequencer
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -156,10 +159,13 @@ class Subscriber(ClosedOnExit):
         clear_interval: float = DEFAULT_CLEAR_INTERVAL_S,
         replay_max_messages: int = DEFAULT_REPLAY_MAX_MESSAGES,
         replay_max_bytes: int = DEFAULT_REPLAY_MAX_BYTES,
+        max_replays: int = DEFAULT_MAX_REPLAYS,
         monitor: bool = True,
     ) -> None:
         if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
             raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
+        if max_replays < 1:
+            raise ValueError(f"max_replays must be >= 1, got {max_replays}")
         if not MIN_REPLAY_TIMEOUT_S <= replay_timeout <= threading.TIMEOUT_MAX:
             raise ValueError(
                 f"replay_timeout must be in [{MIN_REPLAY_TIMEOUT_S}, {threading.TIMEOUT_MAX}] "
@@ -204,6 +210,8 @@ class Subscriber(ClosedOnExit):
             max_gap=max_gap,
         )
         self._poller = zmq.Poller()
+        self._replays = ReplaysInFlight(self.replay_client, self._poller, max_replays)
+        """The streams that wait for a replay, and the answers being read."""
         self._streams: dict[zmq.Socket[bytes], StreamState] = {}
         self._by_source: dict[Source, StreamState] = {}
         """The same streams by source (a stream keeps its source when its socket is replaced)."""
@@ -233,12 +241,10 @@ class Subscriber(ClosedOnExit):
 
     @property
     def progressed_at(self) -> float:
-        """When the loop that polls this subscriber last moved on (``time.monotonic()``): it
-        began a poll, or a replay ended. A loop that stopped, dead or stuck, is what a health
-        check looks for (see :mod:`~kvbridge.adapters.status_server`); a poll that replays
-        many streams (at start-up, or after gaps) moves on with each replay, each bounded by
-        the replay timeout."""
-        return max(self._polled_at, self.replay_client.fetched_at)
+        """When the loop that polls this subscriber last began a poll (``time.monotonic()``).
+        A loop that stopped, dead or stuck, is what a health check looks for (see
+        :mod:`~kvbridge.adapters.status_server`); a poll waits for no replay."""
+        return self._polled_at
 
     @property
     def sources(self) -> list[Source]:
@@ -279,7 +285,7 @@ class Subscriber(ClosedOnExit):
             stream.address = loopback(source.endpoint)
             socket.connect(stream.address)
         self._streams[socket] = stream
-        self._poller.register(socket, zmq.POLLIN)
+        self._poller.register(socket, 0 if self._replays.waiting(stream) else zmq.POLLIN)
 
     def _detach(self, stream: StreamState) -> None:
         if stream.monitor is not None:
@@ -289,17 +295,17 @@ class Subscriber(ClosedOnExit):
                 stream.socket.disable_monitor()
             stream.monitor.close(0)
             stream.monitor = None
-        self._poller.unregister(stream.socket)
+        self._poller.register(stream.socket, 0)  # unregistered, if it is registered
         del self._streams[stream.socket]
         stream.socket.close(0)
 
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
         """What arrived within ``timeout_ms``, within the budget, in stream order per source.
 
-        First come the clears of suspended streams whose clear token is back, arrived or not.
-        Then it reads the ready sources round-robin (see the module's "limits"): at most
-        ``source_budget`` messages from one source and ``poll_budget`` in all. What is left
-        waits in ZMQ's queue (up to ``RCVHWM``) for the next poll.
+        First come the clears of suspended streams whose clear token is back, then what the
+        replays that came in complete. Then it reads the ready sources round-robin (see the
+        module's "limits"): at most ``source_budget`` messages from one source and
+        ``poll_budget`` in all; the rest waits in ZMQ's queue (up to ``RCVHWM``).
         """
         self._polled_at = time.monotonic()
         stats, warn = self.stats, self._warn
@@ -308,22 +314,20 @@ class Subscriber(ClosedOnExit):
             for stream in self._streams.values()
             if stream.suspended and (reset := stream.release(stats, warn)) is not None
         ]
-        if self._starting:
-            # One start-up replay a poll, so that the consumer works through one answer at a
-            # time; live messages wait in ZMQ's queue until every source has been replayed.
-            stream = self._starting.pop(0)
-            if stream.last is None:
-                out.extend(self.replay_client.recover(stream, 0, None))
-            if self._starting:
-                return out
-        events = self._poller.poll(timeout_ms)
+        replays = self._replays
+        for stream in self._starting:
+            replays.run(stream, self.replay_client.recover(stream, 0, None), out)
+        self._starting = []
+        events = self._poller.poll(replays.wait_ms(timeout_ms))
         for socket, _ in events:
             monitored = self._monitors.get(socket)
             if monitored is not None:
                 self._disconnected(monitored)
-        # A SUB that dropped was replaced (closed) above, though it may be in this poll's
-        # events: what it still held is a gap of the new socket's stream.
-        ready = [socket for socket, _ in events if socket in self._streams]
+        replays.read({socket for socket, _ in events}, out)
+        # A SUB that dropped was replaced (closed) above: what it held is a gap of the new
+        # socket's stream. A stream that waits for a replay is read once the answer is in.
+        streams = self._streams
+        ready = [s for s, _ in events if s in streams and not replays.waiting(streams[s])]
         if not ready:
             return out
         order, count = self._order, len(self._order)
@@ -336,15 +340,21 @@ class Subscriber(ClosedOnExit):
         while ready and budget > 0:
             more: list[zmq.Socket[bytes]] = []
             for socket in ready:
-                stream = self._streams[socket]
+                stream = streams[socket]
                 quota = min(POLL_ROUND, self.source_budget - taken[socket], budget)
-                read = 0
+                read, waits = 0, False
                 while read < quota and (frames := _recv_frames(socket)) is not None:
                     read += 1
-                    out.extend(receive(stream, frames))
+                    items = receive(stream, frames)
+                    if isinstance(items, list):
+                        out.extend(items)
+                        continue
+                    replays.run(stream, items, out)
+                    if waits := replays.waiting(stream):
+                        break  # its next messages come after the answer
                 taken[socket] += read
                 budget -= read
-                if read == quota and taken[socket] < self.source_budget:
+                if read == quota and taken[socket] < self.source_budget and not waits:
                     more.append(socket)  # may hold more
                 if budget <= 0:
                     # Cut short by the budget: the next poll starts with this source.
@@ -382,6 +392,7 @@ class Subscriber(ClosedOnExit):
             self._attach(stream)
 
     def close(self) -> None:
+        self._replays.close()
         for stream in list(self._streams.values()):
             self._detach(stream)
             self.replay_client.close_dealer(stream)

@@ -1,0 +1,119 @@
+"""The replays a subscriber's streams wait for, read alongside its sources.
+
+What a message means can depend on a replay (a gap to fill, a publisher to check, the start of
+a stream): the sequencing of that message is a generator that yields a
+:class:`~kvbridge.adapters.replay_client.Fetch` and is sent its answer
+(:data:`~kvbridge.adapters.replay_client.Replaying`). :class:`ReplaysInFlight` sends the
+request, parks the generator, and reads the answer as it arrives, in the subscriber's own poll;
+an answer that is whole, or past the replay timeout, resumes its stream. Meanwhile the stream's
+own messages wait in ZMQ's queue, so its order is kept, and every other source is read as
+usual: a replay endpoint that does not answer holds up its own source, not the others.
+
+At most ``max_replays`` answers are read at a time [:data:`DEFAULT_MAX_REPLAYS`] (each is
+bounded, see :mod:`~kvbridge.adapters.replay_client`); further requests wait their turn, in
+the order they came.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Final
+
+import zmq
+
+from kvbridge.adapters.replay_client import Answer, Fetch, ReplayClient, Replaying
+from kvbridge.adapters.source import Message, StreamReset
+from kvbridge.adapters.stream_state import StreamState
+
+__all__ = ["DEFAULT_MAX_REPLAYS", "ReplaysInFlight", "Sequencing"]
+
+DEFAULT_MAX_REPLAYS: Final = 4
+"""Replay answers read at a time, over all sources."""
+
+Sequencing = Replaying[list[Message | StreamReset]]
+"""What one message (or a stream's start) delivers, worked out while waiting for replays."""
+
+
+class ReplaysInFlight:
+    """The streams of one subscriber that wait for a replay, and the answers being read."""
+
+    def __init__(self, client: ReplayClient, poller: zmq.Poller, max_replays: int) -> None:
+        self.client = client
+        self.poller = poller
+        """The subscriber's poller: each answer's DEALER is polled with its sources."""
+        self.max_replays = max_replays
+        self._waiting: dict[StreamState, tuple[Sequencing, Fetch]] = {}
+        self._queued: deque[StreamState] = deque()
+        """Streams whose request waits for a turn, first come first."""
+        self._answers: dict[zmq.Socket[bytes], Answer] = {}
+
+    def waiting(self, stream: StreamState) -> bool:
+        """Whether ``stream`` waits for a replay: its messages are not to be read yet."""
+        return stream in self._waiting
+
+    def run(self, stream: StreamState, work: Sequencing, out: list[Message | StreamReset]) -> None:
+        """Run ``stream``'s sequencing until it waits for a replay or ends, its items onto
+        ``out``; a request goes out at once if there is a turn for it."""
+        self._resume(stream, work, None, out)
+        self._send_queued(out)
+
+    def wait_ms(self, timeout_ms: int) -> int:
+        """``timeout_ms``, or less: until the first answer's deadline."""
+        if not self._answers:
+            return timeout_ms
+        first = min(answer.deadline for answer in self._answers.values())
+        return max(0, min(timeout_ms, math.ceil((first - time.monotonic()) * 1000)))
+
+    def read(self, ready: set[zmq.Socket[bytes]], out: list[Message | StreamReset]) -> None:
+        """Read the answers whose DEALER is in ``ready``, end those that are whole or past
+        their deadline, and resume their streams (items onto ``out``), then send what waits
+        for a turn."""
+        now = time.monotonic()
+        for dealer, answer in list(self._answers.items()):
+            whole = dealer in ready and self.client.read(answer)
+            if whole or answer.deadline <= now:
+                self.poller.unregister(dealer)
+                del self._answers[dealer]
+                messages = self.client.end(answer, timed_out=not whole)
+                work, _ = self._waiting.pop(answer.stream)
+                self._resume(answer.stream, work, messages, out)
+        self._send_queued(out)
+
+    def close(self) -> None:
+        """Forget every wait; the subscriber closes the DEALERs."""
+        for dealer in self._answers:
+            self.poller.unregister(dealer)
+        self._answers.clear()
+        self._waiting.clear()
+        self._queued.clear()
+
+    def _resume(
+        self,
+        stream: StreamState,
+        work: Sequencing,
+        answer: list[Message] | None,
+        out: list[Message | StreamReset],
+    ) -> None:
+        try:
+            fetch = next(work) if answer is None else work.send(answer)
+        except StopIteration as done:
+            out.extend(done.value)
+            self.poller.register(stream.socket, zmq.POLLIN)  # its messages are read again
+            return
+        self._waiting[stream] = (work, fetch)
+        self._queued.append(stream)
+        self.poller.register(stream.socket, 0)  # not polled: it would be ready at every poll
+
+    def _send_queued(self, out: list[Message | StreamReset]) -> None:
+        while self._queued and len(self._answers) < self.max_replays:
+            stream = self._queued.popleft()
+            work, fetch = self._waiting[stream]
+            answer = self.client.begin(fetch)
+            if answer is None:  # not asked for: an empty answer, at once
+                del self._waiting[stream]
+                self._resume(stream, work, [], out)
+                continue
+            self._answers[answer.dealer] = answer
+            self.poller.register(answer.dealer, zmq.POLLIN)
