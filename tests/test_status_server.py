@@ -280,6 +280,7 @@ def test_the_relay_command_takes_the_replay_timeout_and_clear_rate(tmp_path: Pat
         for seq in (0, 1, 0, 1, 0):  # the engine restarts (its sequence starts over) twice
             engine.publish(b"x", seq=seq)
         assert relay.wait_value("kvbridge_bad_frames_total", 1, reason="throttled"), relay.log()
+        time.sleep(1.2)  # past the default interval: the stream is still suspended
         status, report = healthz(port + 2)
         samples = relay.metrics()
         log = relay.log()

@@ -474,6 +474,145 @@ def test_a_restart_ends_the_replay_back_off(ctx: zmq.Context[zmq.Socket[bytes]])
     )
 
 
+def test_a_restart_that_finds_no_clear_token_ends_the_replay_back_off_too(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A restart met while the clears are spent suspends the stream; when it starts over, the
+    new process's replay endpoint is asked although the old one's back-off still runs, so
+    what the new process sent meanwhile is replayed, not lost."""
+    payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(4)]
+    publisher = Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, context=ctx)  # not serving
+    source = Source(f"tcp://*:{port_of(publisher.endpoint)}", publisher.replay_endpoint, 1)
+    with (
+        publisher,
+        Subscriber(
+            [source], context=ctx, replay_timeout=1.0, clear_burst=1, clear_interval=0.5
+        ) as subscriber,
+    ):
+        stats = subscriber.stats
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.publish(payloads[0])
+        items = receive(subscriber, 1)
+        publisher.publish(payloads[1], send=False)
+        publisher.publish(payloads[2])
+        items += receive(subscriber, 1)  # a timeout, a back-off of 1 s, the one clear spent
+        publisher.start_replay_thread()  # the new process serves its replays
+        publisher.restart()
+        publisher.publish(payloads[3])  # its batch 0: a restart, and no token for its clear
+        deadline = time.monotonic() + TIMEOUT
+        while not stats.bad_frames[BadFrame.THROTTLED] or subscriber.suspended(source):
+            assert time.monotonic() < deadline, stats
+            items += subscriber.poll(20)  # until the token is back (0.5 s) and it is cleared
+        for payload in payloads[:3]:  # batches 1-3, which the subscriber misses
+            publisher.publish(payload, send=False)
+        publisher.publish(payloads[3])  # batch 4: past the old process's last
+        items += receive(subscriber, 5)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        (0, False), ("lost", 1), (2, False), ("restart", 0), *((seq, True) for seq in range(4)),
+        (4, False),
+    ]  # fmt: skip
+    assert [item.payload for item in items[-5:] if isinstance(item, Message)] == [
+        payloads[3],
+        *payloads,
+    ]
+    assert final == SubscriberStats(
+        messages=4,
+        gaps=1,
+        replays=2,
+        replayed=4,
+        replay_timeouts=1,
+        lost=1,
+        resyncs=1,
+        bad_frames=Counter({BadFrame.THROTTLED: 1}),
+    )
+
+
+def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A stream suspended by a loss whose connection drops meanwhile may come back from a new
+    process, whose sequence is already past the old one's: its start-over checks the
+    publisher first, and a new process's batches are replayed from 0, not from the old loss
+    (a buffer of two batches: what it no longer holds counts as lost)."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+
+    def engine() -> Publisher:
+        made = Publisher(
+            f"tcp://127.0.0.1:{base}",
+            bind=True,
+            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
+            buffer_steps=2,
+            context=ctx,
+        )
+        made.start_replay_thread()
+        return made
+
+    first = engine()
+    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=2.0) as subscriber:
+        stats = subscriber.stats
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        first.publish(b"old 0")
+        items = receive(subscriber, 1)
+        for lost_from in (1, 5):  # two losses: the first spends the one clear token
+            for seq in range(lost_from, lost_from + 3):
+                first.publish(b"old %d" % seq, send=False)
+            first.publish(b"old %d" % (lost_from + 3))
+            deadline = time.monotonic() + TIMEOUT
+            # until the replay's answer is in: delivered, then the stream suspended
+            done = subscriber.suspended if lost_from == 5 else lambda s: subscriber.last_seq(s) == 4
+            while not done(source):
+                assert time.monotonic() < deadline, stats
+                items += subscriber.poll(20)
+        assert subscriber.suspended(source), (shape(items), stats)
+        first.close()
+        while not stats.disconnects:  # (and the old sockets closed, so that the ports are free)
+            assert time.monotonic() < deadline, stats
+            items += subscriber.poll(20)
+        second = engine()
+        with second:
+            for seq in range(10):
+                second.publish(b"new %d" % seq, send=False)
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            deadline = time.monotonic() + TIMEOUT
+            while subscriber.suspended(source):
+                assert time.monotonic() < deadline, stats
+                items += subscriber.poll(20)
+            second.publish(b"new 10")
+            while subscriber.last_seq(source) != 10:
+                assert time.monotonic() < deadline, stats
+                items += subscriber.poll(20)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        (0, False),
+        ("lost", 2),
+        (3, True),
+        (4, True),
+        ("lost", 0),
+        (9, True),
+        (10, False),
+    ]
+    assert [item.payload for item in items[-2:] if isinstance(item, Message)] == [
+        b"new 9",
+        b"new 10",
+    ]
+    assert final == SubscriberStats(
+        messages=4,
+        gaps=2,
+        replays=4,
+        replayed=3,
+        duplicates=1,
+        lost=11,
+        resyncs=1,
+        disconnects=1,
+        reconnect_checks=1,
+        bad_frames=Counter({BadFrame.THROTTLED: 1}),
+    )
+
+
 # --------------------------------------------------------------------------- 2. restart
 
 

@@ -27,7 +27,9 @@ message it reads comes here with its source's
   (:meth:`~kvbridge.adapters.replay_client.ReplayClient.run_before`); the others (up to
   ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
   token (the same process goes on, and the worker's block identities are kept downstream),
-  else a ``"restart"``;
+  else a ``"restart"``. (A stream released as a loss whose next message shows a new process
+  starts over without a second clear: the identities it keeps are what the engine hashes
+  stood for, which a new process's hashes do not reuse for other blocks);
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes): counted by :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
 """
@@ -106,12 +108,18 @@ class Sequencer:
     ) -> Replaying[list[Message | StreamReset]]:
         """Start the stream over at ``seq``, its clear sent: first the batches a suspension
         skipped (from :attr:`~kvbridge.adapters.stream_state.StreamState.resume_from`) that the
-        replay still holds, as the run that reaches ``seq``; the others count as lost."""
+        replay still holds, as the run that reaches ``seq``; the others count as lost. If the
+        connection dropped meanwhile, the publisher is checked first: a new process's batches
+        are replayed from 0."""
         resume, stream.resume_from = stream.resume_from, None
         stream.starting_over = False
         stream.jumped_to = None
-        stream.reconnected = False  # not taken as a continuation: nothing to check
+        reconnected, stream.reconnected = stream.reconnected, False
         stream.replayed_through = -1
+        last = stream.last if reconnected and resume else None
+        if last is not None and (yield from self.replay.check_publisher(stream, last)) is None:
+            resume = 0
+            stream.end_replay_back_off()  # a new process: its replay endpoint asked afresh
         if resume is not None and 0 < seq - resume <= self.max_gap:
             run = yield from self.replay.run_before(stream, resume, seq)
             lost = seq - resume - len(run)
@@ -157,6 +165,7 @@ class Sequencer:
                 return out
             if stream.last is not None and seq <= stream.last:  # a new process since
                 stream.suspended_for, stream.resume_from = "restart", 0
+                stream.end_replay_back_off()
             if stream.starting_over:  # cleared when its token came back
                 return (yield from self._start_over(stream, frames, seq, out))
             return (yield from self._resync(stream, frames, seq, out, stream.suspended_for))
@@ -175,6 +184,7 @@ class Sequencer:
                 return out
             if not stream.may_clear():
                 self._suspend(stream, seq, resume_from=0)  # a new process: its batches from 0
+                stream.end_replay_back_off()
                 return out
             self.stats.restarts += 1
             self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
