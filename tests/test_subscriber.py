@@ -17,6 +17,7 @@ The wire format and replay protocol: README.md, "The relay in front of Dynamo".
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
@@ -389,6 +390,55 @@ def test_a_replay_that_goes_unanswered_holds_up_its_own_source_only(
     assert arrived[True, 2] >= 1.5
     assert [shape([item]) for item in items if not isinstance(item, Message)] == [[("lost", 1)]]
     assert stats == SubscriberStats(messages=7, gaps=1, replays=1, replay_timeouts=1, lost=1)
+
+
+def test_sources_whose_replays_time_out_cannot_take_every_slot(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Two slots (``max_replays=2``), two sources whose replay endpoints time out (shown once,
+    at start-up) and a healthy one: when all three meet a gap at once, the failing sources
+    share one slot, and the healthy one's replay is answered without waiting for theirs."""
+    payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(3)]
+    dead = [engine_publisher(ctx, replay=False) for _ in range(2)]
+    healthy, healthy_source = engine_publisher(ctx)
+    ports = free_port_range(2)  # replay endpoints no one serves
+    sources = [
+        Source(served.endpoint, f"tcp://127.0.0.1:{ports + i}", i + 1)
+        for i, (_, served) in enumerate(dead)
+    ] + [Source(healthy_source.endpoint, healthy_source.replay_endpoint, 3)]
+    publishers = [publisher for publisher, _ in dead] + [healthy]
+    arrived: dict[int, float] = {}
+    with contextlib.ExitStack() as stack:
+        for publisher in publishers:
+            stack.enter_context(publisher)
+        subscriber = stack.enter_context(
+            Subscriber(
+                sources, context=ctx, replay_timeout=0.3, replay_on_start=True, max_replays=2
+            )
+        )
+        stats = subscriber.stats
+        deadline = time.monotonic() + TIMEOUT
+        while stats.replay_timeouts < 2 or stats.replays < 3:  # start-up: two time out
+            assert time.monotonic() < deadline, stats
+            subscriber.poll(20)
+        time.sleep(0.3)  # their back-offs pass
+        for publisher in publishers:
+            assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+            publisher.publish(payloads[0], seq=0)
+            publisher.publish(payloads[1], seq=1, send=False)
+            publisher.publish(payloads[2], seq=2)  # a gap on every source
+        time.sleep(0.1)  # all in ZMQ's queues, for one poll
+        began = time.monotonic()
+        while len(arrived) < 3:
+            assert time.monotonic() < deadline, (arrived, stats)
+            for item in subscriber.poll(20):
+                if isinstance(item, Message) and item.seq == 2:
+                    arrived[item.source.worker_id] = time.monotonic() - began
+        final = deepcopy(stats)
+
+    assert arrived[3] < 0.3 <= min(arrived[1], arrived[2])
+    assert max(arrived[1], arrived[2]) >= 0.6  # one after the other, in one slot
+    assert (final.replays, final.replay_timeouts, final.lost) == (6, 4, 2)
 
 
 def test_after_a_replay_timeout_the_source_is_not_asked_again_until_its_back_off_passes(

@@ -55,6 +55,7 @@ __all__ = [
     "Fetch",
     "ReplayClient",
     "Replaying",
+    "run_before",
 ]
 
 DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
@@ -98,6 +99,21 @@ class Answer:
     """Its bounds were reached: the rest was not read."""
 
 
+def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:
+    """Of the batches ``start .. end - 1`` in a replay ``answer``, the run that ends at
+    ``end - 1`` unbroken (see :meth:`ReplayClient.run_before`)."""
+    run: list[Message] = []
+    for message in answer:
+        if message.seq >= end:
+            break
+        if message.seq < start or (run and message.seq <= run[-1].seq):
+            continue  # not asked for, or out of order
+        if run and message.seq != run[-1].seq + 1:
+            run = []
+        run.append(message)
+    return run if run and run[-1].seq == end - 1 else []
+
+
 @dataclass(eq=False)
 class ReplayClient:
     """Replays for the streams of one subscriber, counted in the subscriber's stats.
@@ -120,21 +136,27 @@ class ReplayClient:
     rcvhwm: int
     max_gap: int
 
-    def check_publisher(self, stream: StreamState, last: int) -> Replaying[list[Message] | None]:
-        """After a reconnect: the replay from ``last`` if its first batch is the one delivered
-        as ``last`` (the same publisher, so the replay fills what the drop cost), else ``None``
-        (a new process, or one that cannot show it is not). Without a replay endpoint the
+    def check_publisher(
+        self, stream: StreamState, last: int
+    ) -> Replaying[tuple[bool | None, list[Message]]]:
+        """After a reconnect: whether the publisher is the one that delivered batch ``last``,
+        and the replay from ``last``. ``True`` if the replay's first batch is that batch (the
+        same publisher, so the replay fills what the drop cost), ``False`` if it is another
+        (a new process), ``None`` if no answer came to tell. Without a replay endpoint the
         publisher is taken as the same: a gap then counts as lost and clears downstream. The
         check is asked for within a back-off too: it decides whether the worker is cleared."""
         self.stats.reconnect_checks += 1
         if not stream.source.replay_endpoint:
-            return []
+            return True, []
         answer = yield Fetch(stream, last, in_back_off=True)
-        if answer and answer[0].seq == last and answer[0].payload == stream.last_payload:
-            return answer
         endpoint = stream.source.endpoint
+        if not answer:
+            self.warn("publisher check unanswered", (endpoint,), stream=endpoint, last=last)
+            return None, answer
+        if answer[0].seq == last and answer[0].payload == stream.last_payload:
+            return True, answer
         self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last)
-        return None
+        return False, answer
 
     def recover(
         self,
@@ -200,28 +222,28 @@ class ReplayClient:
         last hole."""
         if not stream.source.replay_endpoint:
             return []
-        run: list[Message] = []
-        for message in (yield Fetch(stream, start)):
-            if message.seq >= end:
-                break
-            if message.seq < start or (run and message.seq <= run[-1].seq):
-                continue  # not asked for, or out of order
-            if run and message.seq != run[-1].seq + 1:
-                run = []
-            run.append(message)
-        return run if run and run[-1].seq == end - 1 else []
+        return run_before(start, end, (yield Fetch(stream, start)))
 
     def begin(self, fetch: Fetch) -> Answer | None:
         """Send ``fetch``'s request (both vLLM reply layouts are read); ``None`` if it is not
         asked for, within the source's back-off after a timeout (see the module's "back-off"),
-        unless ``fetch.in_back_off``: its answer is empty."""
+        unless ``fetch.in_back_off``, or if it cannot be sent (counted and backed off as a
+        timeout): its answer is empty."""
         stream = fetch.stream
         if not fetch.in_back_off and time.monotonic() < stream.replay_resumes_at:
             self.stats.replays_skipped += 1
             return None
         self.stats.replays += 1
-        dealer = self._dealer(stream)
-        dealer.send_multipart(request_frames(fetch.start))
+        try:
+            dealer = self._dealer(stream)
+            dealer.send_multipart(request_frames(fetch.start), zmq.NOBLOCK)
+        except zmq.ZMQError as error:  # no socket to be had, or its queue full: unanswered
+            endpoint = stream.source.replay_endpoint
+            self.warn("replay not sent", (endpoint,), stream=endpoint, error=str(error))
+            self.stats.replay_timeouts += 1
+            self.close_dealer(stream)
+            self._back_off(stream)
+            return None
         return Answer(stream, fetch.start, dealer, time.monotonic() + self.timeout)
 
     def read(self, answer: Answer) -> bool:

@@ -7,11 +7,14 @@ a stream): the sequencing of that message is a generator that yields a
 request, parks the generator, and reads the answer as it arrives, in the subscriber's own poll;
 an answer that is whole, or past the replay timeout, resumes its stream. Meanwhile the stream's
 own messages wait in ZMQ's queue, so its order is kept, and every other source is read as
-usual: a replay endpoint that does not answer holds up its own source, not the others.
+usual: a replay endpoint that does not answer holds up its own source, not the others (but
+see the slots, below).
 
 At most ``max_replays`` answers are read at a time [:data:`DEFAULT_MAX_REPLAYS`] (each is
 bounded, see :mod:`~kvbridge.adapters.replay_client`); further requests wait their turn, in
-the order they came.
+the order they came. One of the slots is kept for sources whose last replay was answered:
+sources whose replay endpoints time out share the others, and hold up the rest by at most the
+time a source takes to show it is one of them (a timeout).
 """
 
 from __future__ import annotations
@@ -60,11 +63,12 @@ class ReplaysInFlight:
         self._send_queued(out)
 
     def wait_ms(self, timeout_ms: int) -> int:
-        """``timeout_ms``, or less: until the first answer's deadline."""
+        """``timeout_ms`` (negative: no bound), or less: until the first answer's deadline."""
         if not self._answers:
             return timeout_ms
         first = min(answer.deadline for answer in self._answers.values())
-        return max(0, min(timeout_ms, math.ceil((first - time.monotonic()) * 1000)))
+        until = max(0, math.ceil((first - time.monotonic()) * 1000))
+        return until if timeout_ms < 0 else min(timeout_ms, until)
 
     def read(self, ready: set[zmq.Socket[bytes]], out: list[Message | StreamReset]) -> None:
         """Read the answers whose DEALER is in ``ready``, end those that are whole or past
@@ -72,8 +76,9 @@ class ReplaysInFlight:
         for a turn."""
         now = time.monotonic()
         for dealer, answer in list(self._answers.items()):
-            whole = dealer in ready and self.client.read(answer)
-            if whole or answer.deadline <= now:
+            late = answer.deadline <= now  # what came by now still counts
+            whole = (dealer in ready or late) and self.client.read(answer)
+            if whole or late:
                 self.poller.unregister(dealer)
                 del self._answers[dealer]
                 messages = self.client.end(answer, timed_out=not whole)
@@ -102,13 +107,25 @@ class ReplaysInFlight:
             out.extend(done.value)
             self.poller.register(stream.socket, zmq.POLLIN)  # its messages are read again
             return
+        except BaseException:
+            self.poller.register(stream.socket, zmq.POLLIN)  # not left unread for good
+            raise
         self._waiting[stream] = (work, fetch)
         self._queued.append(stream)
         self.poller.register(stream.socket, 0)  # not polled: it would be ready at every poll
 
+    def _next_turn(self) -> StreamState | None:
+        """The first queued stream that may have a free slot: one slot is kept for sources
+        whose last replay was answered, so that endpoints that time out cannot take them all."""
+        free = self.max_replays - len(self._answers)
+        for stream in self._queued:
+            if free > 1 or (free == 1 and (stream.replay_failures == 0 or self.max_replays == 1)):
+                self._queued.remove(stream)
+                return stream
+        return None
+
     def _send_queued(self, out: list[Message | StreamReset]) -> None:
-        while self._queued and len(self._answers) < self.max_replays:
-            stream = self._queued.popleft()
+        while (stream := self._next_turn()) is not None:
             work, fetch = self._waiting[stream]
             answer = self.client.begin(fetch)
             if answer is None:  # not asked for: an empty answer, at once

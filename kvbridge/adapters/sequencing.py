@@ -42,7 +42,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import structlog
 
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_client import ReplayClient, Replaying
+from kvbridge.adapters.replay_client import ReplayClient, Replaying, run_before
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
@@ -110,18 +110,25 @@ class Sequencer:
         skipped (from :attr:`~kvbridge.adapters.stream_state.StreamState.resume_from`) that the
         replay still holds, as the run that reaches ``seq``; the others count as lost. If the
         connection dropped meanwhile, the publisher is checked first: a new process's batches
-        are replayed from 0."""
+        are replayed from 0, the same one's taken from the check's answer (none if it came
+        to nothing)."""
         resume, stream.resume_from = stream.resume_from, None
         stream.starting_over = False
         stream.jumped_to = None
         reconnected, stream.reconnected = stream.reconnected, False
         stream.replayed_through = -1
-        last = stream.last if reconnected and resume else None
-        if last is not None and (yield from self.replay.check_publisher(stream, last)) is None:
-            resume = 0
-            stream.end_replay_back_off()  # a new process: its replay endpoint asked afresh
+        same: bool | None = True
+        answer: list[Message] | None = None  # the publisher check's, if one was asked
+        if reconnected and resume and stream.last is not None:
+            same, answer = yield from self.replay.check_publisher(stream, stream.last)
+        if same is False:  # a new process: its batches from 0, its replay endpoint afresh
+            resume, answer = 0, None
+            stream.end_replay_back_off()
         if resume is not None and 0 < seq - resume <= self.max_gap:
-            run = yield from self.replay.run_before(stream, resume, seq)
+            if answer is None:
+                run = yield from self.replay.run_before(stream, resume, seq)
+            else:  # the check's answer, from before the skipped batches (empty if unanswered)
+                run = run_before(resume, seq, answer)
             lost = seq - resume - len(run)
             if lost:
                 self.stats.lost += lost
@@ -175,8 +182,8 @@ class Sequencer:
         if stream.reconnected:
             stream.reconnected = False
             if last is not None and seq > last:
-                checked = yield from self.replay.check_publisher(stream, last)
-                replaced = checked is None
+                same, answer = yield from self.replay.check_publisher(stream, last)
+                checked, replaced = (answer, False) if same else (None, True)
         if last is not None and (replaced or seq <= last):
             if not replaced and stream.live_last < seq <= stream.replayed_through:
                 self.stats.duplicates += 1

@@ -103,7 +103,7 @@ class StreamState:
         """Replays of this source that timed out in a row."""
         self.replay_resumes_at = 0.0
         """Until then (``time.monotonic()``), after a timeout, no replay is asked for: see
-        :meth:`ReplayClient.fetch <kvbridge.adapters.replay_client.ReplayClient.fetch>`."""
+        :meth:`ReplayClient.begin <kvbridge.adapters.replay_client.ReplayClient.begin>`."""
         self.live_last = -1
         """Highest sequence received live."""
         self.replayed_through = -1

@@ -368,9 +368,9 @@ class Subscriber(ClosedOnExit):
 
     def _disconnected(self, stream: StreamState) -> None:
         """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (it does not reconnect after
-        that), the engine went away, or its heartbeats stopped. A connecting SUB is reopened
-        (a bound one is reconnected by its peer); either way the publisher is checked before
-        its next message (see the module's "reconnects")."""
+        that), the engine went away, or its heartbeats stopped. A connecting SUB is reopened (a
+        bound one is reconnected by its peer); either way the publisher is checked before its
+        next message (see the module's "reconnects"), if a batch came or a replay may bring one."""
         monitor = stream.monitor
         assert monitor is not None
         while True:
@@ -379,7 +379,7 @@ class Subscriber(ClosedOnExit):
             except zmq.Again:
                 break
             self.stats.disconnects += 1
-        stream.reconnected = stream.last is not None
+        stream.reconnected = stream.last is not None or self._replays.waiting(stream)
         stream.end_replay_back_off()
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:
