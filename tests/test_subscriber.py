@@ -663,6 +663,64 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
     )
 
 
+def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """After a drop, the publisher check of a replay endpoint that does not answer cannot tell
+    a new process from the same one: the worker is cleared as for a new process, but its
+    replay from 0 falls within the back-off the unanswered check began (skipped, lost), not
+    another timeout."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+
+    def engine() -> Publisher:  # its replay socket is bound and never served
+        return Publisher(
+            f"tcp://127.0.0.1:{base}",
+            bind=True,
+            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
+            context=ctx,
+        )
+
+    first = engine()
+    with Subscriber([source], context=ctx, replay_timeout=0.3) as subscriber:
+        stats = subscriber.stats
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        for _ in range(3):
+            first.publish(VALID)
+        items = receive(subscriber, 3)
+        first.close()
+        deadline = time.monotonic() + TIMEOUT
+        while not stats.disconnects:
+            assert time.monotonic() < deadline, stats
+            items += subscriber.poll(20)
+        with engine() as second:
+            for _ in range(3):
+                second.publish(VALID, send=False)
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            second.publish(VALID)  # seq 3, after the old last
+            items += receive(subscriber, 1)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        (0, False),
+        (1, False),
+        (2, False),
+        ("restart", 0),
+        ("lost", 3),
+        (3, False),
+    ]
+    assert final == SubscriberStats(
+        messages=4,
+        disconnects=1,
+        reconnect_checks=1,
+        replays=1,
+        replay_timeouts=1,
+        replays_skipped=1,
+        restarts=1,
+        lost=3,
+    )
+
+
 # --------------------------------------------------------------------------- 2. restart
 
 

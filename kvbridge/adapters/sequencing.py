@@ -179,23 +179,26 @@ class Sequencer:
         last = stream.last
         checked: list[Message] | None = None
         replaced = False  # a new process, its sequence already past the old last
+        unanswered = False  # taken as replaced: consistency comes first
         if stream.reconnected:
             stream.reconnected = False
             if last is not None and seq > last:
                 same, answer = yield from self.replay.check_publisher(stream, last)
                 checked, replaced = (answer, False) if same else (None, True)
+                unanswered = same is None
         if last is not None and (replaced or seq <= last):
             if not replaced and stream.live_last < seq <= stream.replayed_through:
                 self.stats.duplicates += 1
                 stream.live_last = seq
                 return out
+            # A new process's replay endpoint is asked afresh, unless it just did not answer.
+            if not unanswered:
+                stream.end_replay_back_off()
             if not stream.may_clear():
                 self._suspend(stream, seq, resume_from=0)  # a new process: its batches from 0
-                stream.end_replay_back_off()
                 return out
             self.stats.restarts += 1
             self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
-            stream.end_replay_back_off()  # a new process: its replay endpoint is asked afresh
             out.append(stream.reset("restart"))
             stream.last, last = None, None
             stream.live_last = stream.replayed_through = -1
