@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import structlog
 import zmq
+from support.rebind import bound_again
 
 from kvbridge.adapters.logs import DEFAULT_BURST
 from kvbridge.adapters.ports import free_port_range
@@ -216,7 +217,7 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
         drain(subscriber, 5)
         first.close()
         drain(subscriber, 1, lambda stats: stats.disconnects)
-        second = publisher()
+        second = bound_again(publisher)
         for n in range(5):
             second.publish(b"batch %d" % n if same else b"other %d" % n, send=False)
         assert second.wait_for_subscribers(timeout=TIMEOUT)

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import structlog
 import zmq
+from support.rebind import bound_again
 from support.reference import dump_rows, index_of, overlaps
 
 from kvbridge import TieredIndex
@@ -621,7 +622,7 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
         while not stats.disconnects:  # (and the old sockets closed, so that the ports are free)
             assert time.monotonic() < deadline, stats
             items += subscriber.poll(20)
-        second = engine()
+        second = bound_again(engine)
         with second:
             for seq in range(10):
                 second.publish(b"new %d" % seq, send=False)
@@ -693,7 +694,7 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
         while not stats.disconnects:
             assert time.monotonic() < deadline, stats
             items += subscriber.poll(20)
-        with engine() as second:
+        with bound_again(engine) as second:
             for _ in range(3):
                 second.publish(VALID, send=False)
             assert second.wait_for_subscribers(timeout=TIMEOUT)
