@@ -39,7 +39,7 @@ def test_a_gcs_server_that_misses_its_wait_is_a_startup_timeout(
 def test_init_ray_starts_ray_again_after_a_startup_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The first ``ray.init`` misses the GCS server's port (its wait is 0), the second waits
+    """The first ``ray.init`` misses the GCS server's port (its wait is 0), the next waits
     Ray's default of 30 s and starts."""
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     real_init = ray.init
@@ -57,4 +57,5 @@ def test_init_ray_starts_ray_again_after_a_startup_timeout(
         assert ray.cluster_resources()["CPU"] == 1.0
     finally:
         ray.shutdown()
-    assert waits == ["0", "30"]
+    assert waits[:2] == ["0", "30"]  # a second timeout is retried once more
+    assert len(waits) <= 3

@@ -20,13 +20,19 @@ STARTUP_TIMEOUTS: Final = ("timed out during startup", "Timed out waiting for fi
 not publish its port file in time."""
 
 
+STARTS: Final = 3
+"""Attempts at a start: a clean-clone run saw a retried start time out a second time."""
+
+
 def init_ray(**options: Any) -> None:
-    """``ray.init(**options)``; after a startup timeout, from scratch once more. Any other
-    error, and a second timeout, are raised."""
-    try:
-        ray.init(**options)
-    except Exception as error:
-        if not any(timeout in str(error) for timeout in STARTUP_TIMEOUTS):
-            raise
-        ray.shutdown()
-        ray.init(**options)
+    """``ray.init(**options)``; after a startup timeout, from scratch again, up to
+    :data:`STARTS` attempts in all. Any other error, and the last timeout, are raised."""
+    for attempt in range(1, STARTS + 1):
+        try:
+            ray.init(**options)
+            return
+        except Exception as error:
+            timed_out = any(timeout in str(error) for timeout in STARTUP_TIMEOUTS)
+            if not timed_out or attempt == STARTS:
+                raise
+            ray.shutdown()
