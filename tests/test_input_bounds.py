@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import structlog
 import zmq
-from support.rebind import bound_again
+from support.rebind import bound_again, engine_on
 
 from kvbridge.adapters.logs import DEFAULT_BURST
 from kvbridge.adapters.ports import free_port_range
@@ -199,16 +199,7 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
 
-    def publisher() -> Publisher:
-        made = Publisher(
-            f"tcp://127.0.0.1:{base}",
-            bind=True,
-            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
-            context=ctx,
-        )
-        made.start_replay_thread()
-        return made
-
+    publisher = engine_on(ctx, base)
     first = publisher()
     with Subscriber([source], context=ctx) as subscriber:
         assert first.wait_for_subscribers(timeout=TIMEOUT)

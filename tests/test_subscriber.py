@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import structlog
 import zmq
-from support.rebind import bound_again
+from support.rebind import bound_again, engine_on
 from support.reference import dump_rows, index_of, overlaps
 
 from kvbridge import TieredIndex
@@ -590,17 +590,7 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
 
-    def engine() -> Publisher:
-        made = Publisher(
-            f"tcp://127.0.0.1:{base}",
-            bind=True,
-            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
-            buffer_steps=2,
-            context=ctx,
-        )
-        made.start_replay_thread()
-        return made
-
+    engine = engine_on(ctx, base, buffer_steps=2)
     first = engine()
     with Subscriber([source], context=ctx, clear_burst=1, clear_interval=2.0) as subscriber:
         stats = subscriber.stats
@@ -674,14 +664,7 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
 
-    def engine() -> Publisher:  # its replay socket is bound and never served
-        return Publisher(
-            f"tcp://127.0.0.1:{base}",
-            bind=True,
-            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
-            context=ctx,
-        )
-
+    engine = engine_on(ctx, base, serve=False)
     first = engine()
     with Subscriber([source], context=ctx, replay_timeout=0.3) as subscriber:
         stats = subscriber.stats

@@ -7,9 +7,35 @@ from collections.abc import Callable
 
 import zmq
 
-from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
 
-__all__ = ["bound_again"]
+__all__ = ["bound_again", "engine_on"]
+
+
+def engine_on(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    base: int,
+    *,
+    serve: bool = True,
+    buffer_steps: int = DEFAULT_BUFFER_STEPS,
+) -> Callable[[], Publisher]:
+    """A factory of engines on fixed ports, publishing on ``base`` with its replay socket on
+    ``base + 1``, so that a test can close one and bind its successor where the first was.
+    ``serve=False`` binds the replay socket and never answers it."""
+
+    def engine() -> Publisher:
+        made = Publisher(
+            f"tcp://127.0.0.1:{base}",
+            bind=True,
+            replay_endpoint=f"tcp://127.0.0.1:{base + 1}",
+            buffer_steps=buffer_steps,
+            context=ctx,
+        )
+        if serve:
+            made.start_replay_thread()
+        return made
+
+    return engine
 
 
 def bound_again(make: Callable[[], Publisher], timeout: float = 5.0) -> Publisher:
