@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import structlog
 import zmq
+from support.polling import TIMEOUT, receive, shape
 from support.rebind import bound_again, engine_on
 from support.reference import dump_rows, index_of, overlaps
 
@@ -49,7 +50,6 @@ from kvbridge.testing.workload import seeded_stream
 
 BS = 4
 LOCAL = "tcp://127.0.0.1:0"
-TIMEOUT = 5.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -135,24 +135,6 @@ def deliver(relay: Relay, source: Source, seq: int) -> None:
     while relay.subscriber.last_seq(source) != seq:
         assert time.monotonic() < deadline, f"seq {seq} never arrived"
         relay.step(20)
-
-
-def receive(subscriber: Subscriber, count: int) -> list[Message | StreamReset]:
-    """Poll until ``count`` messages (resets not counted) have come out."""
-    items: list[Message | StreamReset] = []
-    deadline = time.monotonic() + TIMEOUT
-    while sum(isinstance(item, Message) for item in items) < count:
-        assert time.monotonic() < deadline, f"only {items} arrived"
-        items.extend(subscriber.poll(20))
-    return items
-
-
-def shape(items: list[Message | StreamReset]) -> list[tuple[object, ...]]:
-    """Items reduced to what the tests compare: (seq, replayed) or (reason, lost_batches)."""
-    return [
-        (item.seq, item.replayed) if isinstance(item, Message) else (item.reason, item.lost_batches)
-        for item in items
-    ]
 
 
 def runs_of(drops: set[int]) -> int:

@@ -1,0 +1,156 @@
+"""Replay answers that no :class:`Publisher` gives, from a scripted replay endpoint: a ROUTER
+socket on 127.0.0.1 that the test reads each request from and answers by hand, in vLLM's
+protocol (``kvbridge.adapters.replay_protocol``), when and with what it chooses.
+
+The engine is a :class:`Publisher` without a replay socket of its own; the subscriber connects
+to both, as to a vLLM engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from copy import deepcopy
+
+import pytest
+import zmq
+from support.polling import TIMEOUT, poll_until, receive, shape
+from support.rebind import bound_again, engine_on
+
+from kvbridge.adapters.ports import free_port_range
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
+from kvbridge.adapters.source import Message, Source
+from kvbridge.adapters.stream_stats import SubscriberStats
+from kvbridge.adapters.subscriber import Subscriber
+
+
+class ScriptedReplay:
+    """A bound ROUTER that answers only what the test tells it to."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> None:
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(f"tcp://127.0.0.1:{port}")
+
+    def request(self) -> tuple[bytes, int]:
+        """The next request: the asker's identity and the first seq it asks for."""
+        assert self.socket.poll(int(TIMEOUT * 1000)), "no replay request came"
+        parsed = parse_request(self.socket.recv_multipart())
+        assert parsed is not None
+        return parsed
+
+    def answer(self, identity: bytes, batches: list[tuple[int, bytes]]) -> None:
+        """``batches`` as (seq, payload), then the end marker, in vLLM 0.26's layout."""
+        for seq, payload in batches:
+            self.socket.send_multipart(answer_frames(identity, b"", seq, payload, topic_frame=True))
+        self.socket.send_multipart(end_frames(identity, topic_frame=True))
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+@pytest.fixture
+def base() -> int:
+    """Two free ports: the engine's, and its replay socket's on the next."""
+    return free_port_range(2)
+
+
+@pytest.fixture
+def replay(ctx: zmq.Context[zmq.Socket[bytes]], base: int) -> Iterator[ScriptedReplay]:
+    scripted = ScriptedReplay(ctx, base + 1)
+    yield scripted
+    scripted.close()
+
+
+def engine_without_replay(ctx: zmq.Context[zmq.Socket[bytes]], base: int) -> Publisher:
+    return Publisher(f"tcp://127.0.0.1:{base}", bind=True, context=ctx)
+
+
+def test_a_hole_in_a_replay_answer_is_a_loss_at_its_place(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """A gap of 1..3 answered with 1 and 3 only (2 aged out, or dropped on its way): 1 and 3
+    are delivered, and a ``"lost"`` reset goes out between them, where the missing batch's
+    removals would have been."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 4", seq=4)
+        items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+        identity, start = replay.request()
+        assert start == 1
+        replay.answer(identity, [(1, b"batch 1"), (3, b"batch 3"), (4, b"batch 4")])
+        items += receive(subscriber, 3)
+        stats = deepcopy(subscriber.stats)
+
+    assert shape(items) == [(0, False), (1, True), ("lost", 1), (3, True), (4, True)]
+    assert [item.payload for item in items if isinstance(item, Message)] == [
+        b"batch 0",
+        b"batch 1",
+        b"batch 3",
+        b"batch 4",
+    ]
+    assert stats == SubscriberStats(messages=2, gaps=1, replays=1, replayed=3, duplicates=1, lost=1)
+
+
+def test_a_drop_while_the_start_up_replay_is_awaited_checks_the_publisher(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """The engine goes away while the stream's first replay is unanswered; the answer then
+    brings batches 0..2. A new process binds the same ports and publishes its batch 3: its
+    sequence continues the old one's, so only the publisher check (batch 2 replayed, other
+    bytes) shows a restart, and its batches are replayed from 0 (the answer ends with batch 3,
+    whose live copy is then a duplicate)."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    first = engine_without_replay(ctx, base)
+    with Subscriber(
+        [source], context=ctx, replay_timeout=TIMEOUT, replay_on_start=True
+    ) as subscriber:
+        stats = subscriber.stats
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        items = subscriber.poll(0)  # the start-up replay, from 0
+        identity, start = replay.request()
+        assert start == 0
+        first.close()
+        items += poll_until(subscriber, lambda: stats.disconnects > 0)
+        replay.answer(identity, [(seq, b"old %d" % seq) for seq in range(3)])
+        items += receive(subscriber, 3)
+        replay.close()
+        with bound_again(engine_on(ctx, base)) as second:
+            for seq in range(3):
+                second.publish(b"new %d" % seq, send=False)
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            second.publish(b"new 3")
+            items += receive(subscriber, 4)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        (0, True),
+        (1, True),
+        (2, True),
+        ("restart", 0),
+        (0, True),
+        (1, True),
+        (2, True),
+        (3, True),
+    ]
+    assert [item.payload for item in items[4:] if isinstance(item, Message)] == [
+        b"new 0",
+        b"new 1",
+        b"new 2",
+        b"new 3",
+    ]
+    assert final == SubscriberStats(
+        messages=1,
+        disconnects=1,
+        reconnect_checks=1,
+        replays=3,
+        replayed=7,
+        duplicates=1,
+        restarts=1,
+    )
