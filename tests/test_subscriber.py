@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from copy import deepcopy
 from typing import Any, NamedTuple
@@ -43,6 +43,7 @@ from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
 from kvbridge.adapters.subscriber import DEFAULT_CLEAR_INTERVAL_S, MAX_FRAME_BYTES, Subscriber
+from kvbridge.cli.watch_view import COLUMNS, WatchView
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes
@@ -634,6 +635,57 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
         reconnect_checks=1,
         bad_frames=Counter({BadFrame.THROTTLED: 1}),
     )
+
+
+def test_the_watch_counts_per_worker_what_a_start_over_lost(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A loss that finds no clear token suspends the stream, and its release clears the worker
+    with a ``"lost"`` reset of 0 batches: how many are lost is known only when the stream
+    starts over. The watch's lost cell for the worker says what the subscriber's total says,
+    the start-over's loss included (a buffer of two batches), not only the resets' 2."""
+    publisher, source = engine_publisher(ctx, buffer_steps=2)
+    payloads = [encoded([], ts=TS0 + seq) for seq in range(10)]
+    with (
+        publisher,
+        Relay([source], block_size=BS, context=ctx, clear_burst=1, clear_interval=0.5) as relay,
+    ):
+        view = WatchView(relay)
+        subscriber = relay.subscriber
+        items = spy(subscriber)
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+
+        def published(seqs: range, live: int, done: Callable[[], bool]) -> None:
+            for seq in seqs:
+                publisher.publish(payloads[seq], send=False)
+            publisher.publish(payloads[live])
+            deadline = time.monotonic() + TIMEOUT
+            while not done():
+                assert time.monotonic() < deadline, (shape(items), subscriber.stats)
+                view.poll(20)
+
+        published(range(0), 0, lambda: subscriber.last_seq(source) == 0)
+        # 1..3 lost on the way; the replay still holds 3 and 4: 1 and 2 lost, the token spent
+        published(range(1, 4), 4, lambda: subscriber.last_seq(source) == 4)
+        # 5..7 lost; the replay holds 7 and 8, and no token is left: suspended, then released
+        published(range(5, 8), 8, lambda: subscriber.stats.resyncs == 1)
+        # the start-over at 9 replays 8 (the buffer holds 8 and 9): 5, 6 and 7 lost
+        published(range(0), 9, lambda: subscriber.last_seq(source) == 9)
+        rows, footer = view.rows(), view.footer()
+        lost = subscriber.lost_batches(source)
+
+    assert shape(items) == [
+        (0, False),
+        ("lost", 2),
+        (3, True),
+        (4, True),
+        ("lost", 0),
+        (8, True),
+        (9, False),
+    ]
+    assert lost == subscriber.stats.lost == 5
+    assert rows[0][COLUMNS.index("lost")] == "5"
+    assert " | lost 5 | " in footer[0]
 
 
 def test_an_unanswered_publisher_check_is_not_asked_again_at_once(

@@ -178,7 +178,6 @@ class ReplayClient:
             replayed = (yield Fetch(stream, start)) if stream.source.replay_endpoint else []
         out: list[Message | StreamReset] = []
         expected = start
-        endpoint = stream.source.endpoint
         for message in [*replayed, None]:
             if message is None and live_seq is None:
                 break
@@ -197,10 +196,7 @@ class ReplayClient:
                 if lost > self.max_gap:
                     out.append(stream.resync(self.stats, self.warn, seq))
                 else:
-                    self.stats.lost += lost
-                    self.warn(
-                        "batches lost", (endpoint,), stream=endpoint, first=expected, count=lost
-                    )
+                    stream.lose(self.stats, self.warn, expected, lost)
                     out.append(stream.reset("lost", lost))
             if message is None:
                 break

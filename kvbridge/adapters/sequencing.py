@@ -131,9 +131,7 @@ class Sequencer:
                 run = run_before(resume, seq, answer)
             lost = seq - resume - len(run)
             if lost:
-                self.stats.lost += lost
-                endpoint = stream.source.endpoint
-                self.warn("batches lost", (endpoint,), stream=endpoint, first=resume, count=lost)
+                stream.lose(self.stats, self.warn, resume, lost)
             self.stats.replayed += len(run)
             out.extend(run)
         stream.last = stream.live_last = seq

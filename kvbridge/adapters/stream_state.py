@@ -39,6 +39,7 @@ class StreamState:
         "last",
         "last_payload",
         "live_last",
+        "lost",
         "monitor",
         "reconnected",
         "replay_failures",
@@ -109,12 +110,23 @@ class StreamState:
         self.replayed_through = -1
         """Highest sequence a replay delivered. A live message above ``live_last`` and up to
         this is a late copy of a replayed batch; anything else that goes back is a restart."""
+        self.lost = 0
+        """Batches of this stream that no replay could recover: its share of the subscriber's
+        ``lost``. A suspended stream's loss is known only when it starts over, after the
+        ``"lost"`` reset of its release went out, so the resets alone undercount it."""
 
     @property
     def out_of_order(self) -> bool:
         """Whether even the next batch in sequence needs more than delivering: the stream is
         suspended, starting over, or reconnected (its publisher to be checked)."""
         return self.suspended or self.starting_over or self.reconnected
+
+    def lose(self, stats: SubscriberStats, warn: LogLimiter, first: int, count: int) -> None:
+        """Count ``count`` batches from ``first`` as lost for good, and log them."""
+        stats.lost += count
+        self.lost += count
+        endpoint = self.source.endpoint
+        warn("batches lost", (endpoint,), stream=endpoint, first=first, count=count)
 
     def may_clear(self) -> bool:
         """Whether a token is there for a clear, after refilling the bucket for the time

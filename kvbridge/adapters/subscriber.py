@@ -228,16 +228,17 @@ class Subscriber(ClosedOnExit):
             self._order[stream.socket] = len(self._streams)
             self._by_source.setdefault(source, stream)
             self._attach(stream)
-        self._starting = [
-            stream
-            for stream in self._streams.values()
-            if replay_on_start and stream.source.replay_endpoint
-        ]
+        starting = self._streams.values() if replay_on_start else ()
+        self._starting = [stream for stream in starting if stream.source.replay_endpoint]
 
     def last_seq(self, source: Source) -> int | None:
         """The seq of the last batch delivered from ``source``, ``None`` before the first;
         ``KeyError`` for a source this subscriber does not read."""
         return self._by_source[source].last
+
+    def lost_batches(self, source: Source) -> int:
+        """Batches of ``source`` that no replay could recover (its share of ``stats.lost``)."""
+        return self._by_source[source].lost
 
     @property
     def progressed_at(self) -> float:
@@ -252,9 +253,8 @@ class Subscriber(ClosedOnExit):
         return list(self._by_source)
 
     def suspended(self, source: Source) -> bool:
-        """Whether ``source``'s stream is suspended: it needed a clear while its clear tokens
-        were spent, and everything it sends is skipped until one is back (see
-        :mod:`~kvbridge.adapters.stream_state`)."""
+        """Whether ``source``'s stream is suspended: it needed a clear when none was allowed,
+        and what it sends is skipped until one is (see :mod:`~kvbridge.adapters.stream_state`)."""
         return self._by_source[source].suspended
 
     @property

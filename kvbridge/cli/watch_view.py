@@ -88,7 +88,8 @@ def require_rich() -> None:
 
 
 class _SourceTally:
-    """What one source's items said, counted from outside the subscriber."""
+    """What one source's items said, counted from outside the subscriber (but for ``lost``,
+    which the subscriber counts: see :meth:`WatchView._worker_tally`)."""
 
     __slots__ = ("gaps", "live", "lost", "previous_live", "replayed", "restarts")
 
@@ -108,8 +109,6 @@ class _SourceTally:
             if item.reason == "restart":
                 self.restarts += 1
                 self.live = False
-            else:
-                self.lost += item.lost_batches
             self.previous_live = False
             return
         if item.replayed:
@@ -165,13 +164,21 @@ class WatchView:
     # -- output --------------------------------------------------------------------------
 
     def _worker_tally(self, worker_id: int) -> _SourceTally:
+        """The tallies of ``worker_id``'s sources, summed, and the batches the subscriber
+        counted lost from them: a suspended stream's loss is known only when it starts over,
+        after its reset went out, so the resets' ``lost_batches`` would undercount it."""
         total = _SourceTally()
         for source, tally in self._tallies.items():
             if source.worker_id == worker_id:
                 total.gaps += tally.gaps
                 total.replayed += tally.replayed
-                total.lost += tally.lost
                 total.restarts += tally.restarts
+        subscriber = self.relay.subscriber
+        total.lost = sum(
+            subscriber.lost_batches(source)
+            for source in subscriber.sources
+            if source.worker_id == worker_id
+        )
         return total
 
     def _lag(self, worker_id: int) -> str:
