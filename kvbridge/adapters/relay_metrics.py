@@ -60,7 +60,7 @@ METRICS: dict[str, str] = {
     "kvbridge_lag_seconds": "Time from the engine step to the relay, last batch per worker",
     "kvbridge_resident_blocks": "Distinct blocks resident per worker, dp rank and tier",
     "kvbridge_progress_age_seconds": "Seconds since the loop that polls the sources last moved "
-    "on (began a poll, or ended a replay); /healthz answers 503 past its bound",
+    "on (began a poll); /healthz answers 503 past its bound",
     "kvbridge_stream_suspended": "1 while a source's stream is suspended (its clears spent: "
     "skipped until a clear token is back, when the worker is cleared), else 0",
 }

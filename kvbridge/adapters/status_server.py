@@ -76,7 +76,7 @@ class Health(msgspec.Struct, frozen=True):
 
     status: Literal["ok", "stalled"]
     progress_age_s: float
-    """Seconds since the loop last moved on: began a poll, or ended a replay."""
+    """Seconds since the loop last moved on: began a poll (a poll waits for no replay)."""
     stall_s: float
     """The bound on ``progress_age_s`` past which the status is ``stalled``."""
     sources: list[SourceHealth]
