@@ -48,7 +48,9 @@ class BadFrame(StrEnum):
     SEQ_JUMP = "seq_jump"
     """A forward jump past ``max_gap`` (see the subscriber's "sequence jumps")."""
     THROTTLED = "throttled"
-    """Skipped while the stream is suspended, out of clear tokens."""
+    """Live messages skipped while the stream is suspended, out of clear tokens. The batches
+    they carried may still come through the start-over's replay (then counted ``replayed``
+    too); those that do not are counted ``lost``."""
     REPLAY_FRAME_COUNT = "replay_frame_count"
     """A replay answer of neither layout."""
     SCHEMA = "schema"
