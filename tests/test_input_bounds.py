@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import structlog
 import zmq
+from support.polling import poll_until
 from support.rebind import bound_again, engine_on
 
 from kvbridge.adapters.logs import DEFAULT_BURST
@@ -59,12 +60,7 @@ def drain(
     subscriber: Subscriber, until: int, count: Callable[[SubscriberStats], int] = messages
 ) -> list[Message | StreamReset]:
     """Poll until ``count(subscriber.stats)`` reaches ``until``."""
-    items: list[Message | StreamReset] = []
-    deadline = time.monotonic() + TIMEOUT
-    while count(subscriber.stats) < until:
-        assert time.monotonic() < deadline, subscriber.stats
-        items.extend(subscriber.poll(20))
-    return items
+    return poll_until(subscriber, lambda: count(subscriber.stats) >= until, timeout=TIMEOUT)
 
 
 def queued(subscriber: Subscriber, socket_count: int) -> None:

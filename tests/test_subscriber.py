@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import structlog
 import zmq
-from support.polling import TIMEOUT, receive, shape
+from support.polling import TIMEOUT, poll_until, receive, shape, wait_until
 from support.rebind import bound_again, engine_on
 from support.reference import dump_rows, index_of, overlaps
 
@@ -132,10 +132,11 @@ def relayed(
 
 def deliver(relay: Relay, source: Source, seq: int) -> None:
     """Step the relay until it has seen ``seq`` from ``source``."""
-    deadline = time.monotonic() + TIMEOUT
-    while relay.subscriber.last_seq(source) != seq:
-        assert time.monotonic() < deadline, f"seq {seq} never arrived"
-        relay.step(20)
+    wait_until(
+        lambda: relay.subscriber.last_seq(source) == seq,
+        lambda: relay.step(20),
+        lambda: f"seq {seq} never arrived",
+    )
 
 
 def runs_of(drops: set[int]) -> int:
@@ -533,10 +534,10 @@ def test_a_restart_that_finds_no_clear_token_ends_the_replay_back_off_too(
         publisher.start_replay_thread()  # the new process serves its replays
         publisher.restart()
         publisher.publish(payloads[3])  # its batch 0: a restart, and no token for its clear
-        deadline = time.monotonic() + TIMEOUT
-        while not stats.bad_frames[BadFrame.THROTTLED] or subscriber.suspended(source):
-            assert time.monotonic() < deadline, stats
-            items += subscriber.poll(20)  # until the token is back (0.5 s) and it is cleared
+        items += poll_until(
+            subscriber,
+            lambda: stats.bad_frames[BadFrame.THROTTLED] and not subscriber.suspended(source),
+        )  # until the token is back (0.5 s) and it is cleared
         for payload in payloads[:3]:  # batches 1-3, which the subscriber misses
             publisher.publish(payload, send=False)
         publisher.publish(payloads[3])  # batch 4: past the old process's last
@@ -584,30 +585,20 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
             for seq in range(lost_from, lost_from + 3):
                 first.publish(b"old %d" % seq, send=False)
             first.publish(b"old %d" % (lost_from + 3))
-            deadline = time.monotonic() + TIMEOUT
-            # until the replay's answer is in: delivered, then the stream suspended
-            done = subscriber.suspended if lost_from == 5 else lambda s: subscriber.last_seq(s) == 4
-            while not done(source):
-                assert time.monotonic() < deadline, stats
-                items += subscriber.poll(20)
-        assert subscriber.suspended(source), (shape(items), stats)
+            if lost_from == 1:  # until the replay's answer is delivered
+                items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 4)
+        items += poll_until(subscriber, lambda: subscriber.suspended(source))
         first.close()
-        while not stats.disconnects:  # (and the old sockets closed, so that the ports are free)
-            assert time.monotonic() < deadline, stats
-            items += subscriber.poll(20)
+        # (and the old sockets closed, so that the ports are free)
+        items += poll_until(subscriber, lambda: stats.disconnects)
         second = bound_again(engine)
         with second:
             for seq in range(10):
                 second.publish(b"new %d" % seq, send=False)
             assert second.wait_for_subscribers(timeout=TIMEOUT)
-            deadline = time.monotonic() + TIMEOUT
-            while subscriber.suspended(source):
-                assert time.monotonic() < deadline, stats
-                items += subscriber.poll(20)
+            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
             second.publish(b"new 10")
-            while subscriber.last_seq(source) != 10:
-                assert time.monotonic() < deadline, stats
-                items += subscriber.poll(20)
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 10)
         final = deepcopy(stats)
 
     assert shape(items) == [
@@ -659,10 +650,7 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
             for seq in seqs:
                 publisher.publish(payloads[seq], send=False)
             publisher.publish(payloads[live])
-            deadline = time.monotonic() + TIMEOUT
-            while not done():
-                assert time.monotonic() < deadline, (shape(items), subscriber.stats)
-                view.poll(20)
+            wait_until(done, lambda: view.poll(20), lambda: (shape(items), subscriber.stats))
 
         published(range(0), 0, lambda: subscriber.last_seq(source) == 0)
         # 1..3 lost on the way; the replay still holds 3 and 4: 1 and 2 lost, the token spent
@@ -707,10 +695,7 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
             first.publish(VALID)
         items = receive(subscriber, 3)
         first.close()
-        deadline = time.monotonic() + TIMEOUT
-        while not stats.disconnects:
-            assert time.monotonic() < deadline, stats
-            items += subscriber.poll(20)
+        items += poll_until(subscriber, lambda: stats.disconnects)
         with bound_again(engine) as second:
             for _ in range(3):
                 second.publish(VALID, send=False)
@@ -782,10 +767,7 @@ def test_live_copies_of_replayed_batches_are_duplicates_not_restarts(
         publisher.publish(payloads[1], send=False)
         for payload in payloads[2:]:
             publisher.publish(payload)
-        deadline = time.monotonic() + TIMEOUT
-        while relay.subscriber.stats.messages < 4:
-            assert time.monotonic() < deadline
-            relay.step(20)
+        wait_until(lambda: relay.subscriber.stats.messages >= 4, lambda: relay.step(20))
         stats = deepcopy(relay.subscriber.stats)
         batches_in = relay.stats.batches_in
 
@@ -809,10 +791,7 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
 
         publisher.restart()
         assert publisher.publish(payloads[3]) == 0
-        deadline = time.monotonic() + TIMEOUT
-        while relay.subscriber.stats.messages < 3:
-            assert time.monotonic() < deadline
-            relay.step(20)
+        wait_until(lambda: relay.subscriber.stats.messages >= 3, lambda: relay.step(20))
         relay.step(50)
         stats = deepcopy(relay.subscriber.stats)
 
@@ -844,19 +823,21 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
         for restarts, payload in enumerate(payloads[1:5], start=1):
             publisher.restart()
             assert publisher.publish(payload) == 0
-            deadline = time.monotonic() + TIMEOUT
-            while stats.restarts + stats.bad_frames[BadFrame.THROTTLED] < restarts:
-                assert time.monotonic() < deadline, stats
-                relay.step(20)
+            wait_until(
+                lambda n=restarts: stats.restarts + stats.bad_frames[BadFrame.THROTTLED] >= n,
+                lambda: relay.step(20),
+                lambda: stats,
+            )
         # The fourth restart found no token: skipped, and the index still holds what the
         # engine held before it.
         assert relay.subscriber.suspended(source)
         assert overlaps(index, prompts[3:5]) == [{(1, 0): (3, 3, 3)}, {}]
 
-        deadline = time.monotonic() + TIMEOUT
-        while overlaps(index, prompts[3:4]) != [{}]:
-            assert time.monotonic() < deadline, "the quiet suspended worker was never cleared"
-            relay.step(20)
+        wait_until(
+            lambda: overlaps(index, prompts[3:4]) == [{}],
+            lambda: relay.step(20),
+            lambda: "the quiet suspended worker was never cleared",
+        )
         cleared_after = time.monotonic() - first_restart
         assert not relay.subscriber.suspended(source)
 
@@ -911,15 +892,15 @@ def test_a_stream_suspended_by_a_loss_is_released_with_a_loss_reset(
         for seq in range(1, 9, 2):  # four losses: three clear tokens, then none
             publisher.publish(batches[seq], send=False)
             publisher.publish(batches[seq + 1])
-            deadline = time.monotonic() + TIMEOUT
-            while stats.messages < (seq + 3) // 2:
-                assert time.monotonic() < deadline, stats
-                relay.step(20)
+            wait_until(
+                lambda n=(seq + 3) // 2: stats.messages >= n, lambda: relay.step(20), lambda: stats
+            )
         assert relay.subscriber.suspended(source)
-        deadline = time.monotonic() + TIMEOUT
-        while relay.subscriber.suspended(source):
-            assert time.monotonic() < deadline, "the suspended stream was never released"
-            relay.step(20)
+        wait_until(
+            lambda: not relay.subscriber.suspended(source),
+            lambda: relay.step(20),
+            lambda: "the suspended stream was never released",
+        )
         deliver(relay, source, publisher.publish(extension))
         final = deepcopy(stats)
         reanchored = relay.workers[1].normalizer.reanchored_blocks
@@ -963,15 +944,15 @@ def test_a_released_stream_replays_what_its_suspension_skipped_that_the_buffer_h
             publisher.publish(payloads[first + 3])
             if first < 13:
                 deliver(relay, source, first + 3)  # its replay answered
-        deadline = time.monotonic() + TIMEOUT
-        while not stats.bad_frames[BadFrame.THROTTLED]:
-            assert time.monotonic() < deadline, stats
-            relay.step(20)
+        wait_until(
+            lambda: stats.bad_frames[BadFrame.THROTTLED], lambda: relay.step(20), lambda: stats
+        )
         assert relay.subscriber.suspended(source)
-        deadline = time.monotonic() + TIMEOUT
-        while relay.subscriber.suspended(source):
-            assert time.monotonic() < deadline, "the suspended stream was never released"
-            relay.step(20)
+        wait_until(
+            lambda: not relay.subscriber.suspended(source),
+            lambda: relay.step(20),
+            lambda: "the suspended stream was never released",
+        )
         deliver(relay, source, publisher.publish(payloads[17]))
         final = deepcopy(stats)
 

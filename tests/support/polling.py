@@ -8,7 +8,7 @@ from collections.abc import Callable
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.subscriber import Subscriber
 
-__all__ = ["TIMEOUT", "poll_until", "receive", "shape"]
+__all__ = ["TIMEOUT", "poll_until", "receive", "shape", "wait_until"]
 
 TIMEOUT = 5.0
 """Seconds a test waits for anything over loopback."""
@@ -24,13 +24,28 @@ def receive(subscriber: Subscriber, count: int) -> list[Message | StreamReset]:
     return items
 
 
-def poll_until(subscriber: Subscriber, done: Callable[[], bool]) -> list[Message | StreamReset]:
-    """Poll until ``done()``; what came out meanwhile."""
-    items: list[Message | StreamReset] = []
-    deadline = time.monotonic() + TIMEOUT
+def wait_until(
+    done: Callable[[], object],
+    step: Callable[[], object],
+    seen: Callable[[], object] = lambda: "",
+    *,
+    timeout: float = TIMEOUT,
+) -> None:
+    """Call ``step()`` until ``done()`` is true, for up to ``timeout`` seconds; past that,
+    fail with what ``seen()`` says."""
+    deadline = time.monotonic() + timeout
     while not done():
-        assert time.monotonic() < deadline, (items, subscriber.stats)
-        items.extend(subscriber.poll(20))
+        assert time.monotonic() < deadline, seen()
+        step()
+
+
+def poll_until(
+    subscriber: Subscriber, done: Callable[[], object], *, timeout: float = TIMEOUT
+) -> list[Message | StreamReset]:
+    """Poll until ``done()`` is true; what came out meanwhile."""
+    items: list[Message | StreamReset] = []
+    step = lambda: items.extend(subscriber.poll(20))  # noqa: E731
+    wait_until(done, step, lambda: (items, subscriber.stats), timeout=timeout)
     return items
 
 
