@@ -8,6 +8,7 @@ to both, as to a vLLM engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from copy import deepcopy
 
@@ -25,12 +26,17 @@ from kvbridge.adapters.subscriber import Subscriber
 
 
 class ScriptedReplay:
-    """A bound ROUTER that answers only what the test tells it to."""
+    """A bound ROUTER that answers only what the test tells it to. As vLLM's before 0.33, it
+    drops what its peer's queues cannot take: past ``SNDHWM`` (and the kernel's buffers and
+    the peer's ``RCVHWM``), a message is not sent (:attr:`dropped`)."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> None:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: counted, not sent
+        self.socket.setsockopt(zmq.SNDHWM, 3000)
         self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.dropped = 0
 
     def request(self) -> tuple[bytes, int]:
         """The next request: the asker's identity and the first seq it asks for."""
@@ -39,11 +45,20 @@ class ScriptedReplay:
         assert parsed is not None
         return parsed
 
-    def answer(self, identity: bytes, batches: list[tuple[int, bytes]]) -> None:
-        """``batches`` as (seq, payload), then the end marker, in vLLM 0.26's layout."""
-        for seq, payload in batches:
-            self.socket.send_multipart(answer_frames(identity, b"", seq, payload, topic_frame=True))
-        self.socket.send_multipart(end_frames(identity, topic_frame=True))
+    def answer(self, identity: bytes, batches: list[tuple[int, bytes]], pace: int = 0) -> None:
+        """``batches`` as (seq, payload), then the end marker, in vLLM 0.26's layout; with
+        ``pace``, 10 ms after every ``pace`` batches, so that ZMQ's I/O threads move what
+        the queues on the way can take before more comes."""
+        frames = [
+            answer_frames(identity, b"", seq, payload, topic_frame=True) for seq, payload in batches
+        ]
+        for sent, message in enumerate([*frames, end_frames(identity, topic_frame=True)], 1):
+            try:
+                self.socket.send_multipart(message, zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped += 1
+            if pace and sent % pace == 0:
+                time.sleep(0.01)
 
     def close(self) -> None:
         self.socket.close(0)
@@ -154,3 +169,39 @@ def test_a_drop_while_the_start_up_replay_is_awaited_checks_the_publisher(
         duplicates=1,
         restarts=1,
     )
+
+
+def test_a_large_answer_waits_whole_between_two_polls(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """An answer of 8,000 batches of 4 KiB, from a replay endpoint that drops what its peer's
+    queues cannot take (3,000 messages its own), sent while the subscriber does not poll (its
+    consumer is busy): the DEALER's queue holds the whole answer (``replay_max_messages`` + 1
+    messages, whatever ``rcvhwm``), so nothing is lost."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    count = 8000
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, rcvhwm=100, replay_max_messages=10_000) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch %d" % (count + 1), seq=count + 1)
+        items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+        identity, start = replay.request()
+        assert start == 1
+        replay.answer(identity, [(seq, b"%6d" % seq * 682) for seq in range(1, count + 1)], 100)
+        assert replay.dropped == 0  # (the subscriber is not polled while it is sent)
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == count + 1)
+        stats = deepcopy(subscriber.stats)
+
+    assert shape(items) == [
+        (0, False),
+        *((seq, True) for seq in range(1, count + 1)),
+        (count + 1, False),
+    ]
+    assert [len(item.payload) for item in items[1:-1] if isinstance(item, Message)] == [
+        4092
+    ] * count
+    assert stats == SubscriberStats(messages=2, gaps=1, replays=1, replayed=count)

@@ -42,6 +42,7 @@ import zmq
 
 from kvbridge.adapters.endpoints import allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.publisher import MAX_HWM
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -118,8 +119,9 @@ def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:
 class ReplayClient:
     """Replays for the streams of one subscriber, counted in the subscriber's stats.
 
-    ``max_frame_bytes``, ``maxmsgsize`` and ``rcvhwm`` are the subscriber's own, so that a
-    replayed batch meets the bounds of a live one; ``max_gap`` tells a loss from a resync.
+    ``max_frame_bytes`` and ``maxmsgsize`` are the subscriber's own, so that a replayed batch
+    meets the bounds of a live one; so is ``rcvhwm``, raised on a DEALER to hold a whole
+    answer (:attr:`answer_hwm`); ``max_gap`` tells a loss from a resync.
     """
 
     context: zmq.Context[zmq.Socket[bytes]]
@@ -135,6 +137,17 @@ class ReplayClient:
     maxmsgsize: int
     rcvhwm: int
     max_gap: int
+
+    @property
+    def answer_hwm(self) -> int:
+        """The DEALER's ``RCVHWM``: at least a whole answer within the bounds
+        (``max_messages`` batches and the end marker). An answer is read at each poll, and
+        between two polls it waits in ZMQ's queue; when that is full the engine's ROUTER drops
+        the rest, since vLLM before 0.33 queues no more than ZMQ's default of 1,000 messages to
+        send. ``rcvhwm`` 0 (no bound) stays 0."""
+        if self.rcvhwm == 0:
+            return 0
+        return min(max(self.rcvhwm, self.max_messages + 1), MAX_HWM)
 
     def check_publisher(
         self, stream: StreamState, last: int
@@ -306,7 +319,7 @@ class ReplayClient:
             assert source.replay_endpoint is not None
             dealer = self.context.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            dealer.setsockopt(zmq.RCVHWM, self.answer_hwm)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
             address = loopback(source.replay_endpoint)
             allow_ipv6(dealer, address)

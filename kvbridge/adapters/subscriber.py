@@ -43,9 +43,9 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
   protocol error, does not reconnect by itself: the subscriber watches each SUB socket (a
   socket monitor), counts ``disconnects`` and reconnects. What was sent meanwhile shows up as
   a gap.
-- **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB and DEALER.
-  Under a flood, ZMQ sheds what does not fit (the engine's PUB drops it); the shed batches are
-  sequence gaps, replayed or counted ``lost``.
+- **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB and DEALER
+  (a DEALER's holds a whole replay answer). Under a flood, ZMQ sheds what does not fit (the
+  engine's PUB drops it); the shed batches are sequence gaps, replayed or counted ``lost``.
 - **replay answers**: bounded in batches and bytes (see
   :mod:`~kvbridge.adapters.replay_client`).
 - **sequence jumps**: a forward jump of more than ``max_gap`` [:data:`DEFAULT_MAX_GAP`] is bad
