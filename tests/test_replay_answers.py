@@ -17,6 +17,7 @@ import zmq
 from support.polling import TIMEOUT, poll_until, receive, shape
 from support.rebind import bound_again, engine_on
 
+from kvbridge.adapters.endpoints import MAX_HWM
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
@@ -182,7 +183,9 @@ def test_a_large_answer_waits_whole_between_two_polls(
     count = 8000
     with (
         engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx, rcvhwm=100, replay_max_messages=10_000) as subscriber,
+        Subscriber(
+            [source], context=ctx, rcvhwm=100, replay_max_messages=10_000, replay_timeout=TIMEOUT
+        ) as subscriber,
     ):
         assert engine.wait_for_subscribers(timeout=TIMEOUT)
         engine.publish(b"batch 0")
@@ -205,3 +208,22 @@ def test_a_large_answer_waits_whole_between_two_polls(
         4092
     ] * count
     assert stats == SubscriberStats(messages=2, gaps=1, replays=1, replayed=count)
+
+
+@pytest.mark.parametrize(
+    ("options", "hwm"),
+    [
+        ({}, 100_001),
+        ({"rcvhwm": 100, "replay_max_messages": 10}, 100),
+        ({"rcvhwm": 0}, 0),
+        ({"replay_max_messages": 2**40}, MAX_HWM),
+    ],
+    ids=["default", "rcvhwm larger", "unbounded", "capped"],
+)
+def test_a_replay_dealer_has_room_for_a_whole_answer(
+    ctx: zmq.Context[zmq.Socket[bytes]], options: dict[str, int], hwm: int
+) -> None:
+    """The DEALER's ``RCVHWM``: the subscriber's, or the answer's bound and its end marker if
+    that is more; 0 (no bound) stays 0, and nothing goes past what ZMQ takes."""
+    with Subscriber([], context=ctx, **options) as subscriber:
+        assert subscriber.replay_client.answer_hwm == hwm

@@ -639,7 +639,7 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
     payloads = [encoded([], ts=TS0 + seq) for seq in range(10)]
     with (
         publisher,
-        Relay([source], block_size=BS, context=ctx, clear_burst=1, clear_interval=0.5) as relay,
+        Relay([source], block_size=BS, context=ctx, clear_burst=1, clear_interval=2.0) as relay,
     ):
         view = WatchView(relay)
         subscriber = relay.subscriber

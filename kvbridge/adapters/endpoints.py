@@ -40,6 +40,7 @@ import structlog
 import zmq
 
 __all__ = [
+    "MAX_HWM",
     "SILENCE_AFTER_S",
     "Endpoint",
     "EndpointError",
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 Mode = Literal["bind", "connect"]
+
+MAX_HWM: Final = 2**31 - 1
+"""The largest high-water mark ZMQ takes (a C ``int``)."""
 
 SILENCE_AFTER_S: Final = 5.0
 """Seconds without a batch after which a source is reported as silent."""

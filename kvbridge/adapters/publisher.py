@@ -47,7 +47,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
-from kvbridge.adapters.endpoints import allow_ipv6, should_bind
+from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, should_bind
 from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "MAX_SEQ", "Publisher"]
@@ -55,8 +55,6 @@ __all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "MAX_SEQ", "Pu
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
 
-MAX_HWM: Final = 2**31 - 1
-"""The largest high-water mark ZMQ takes (a C ``int``)."""
 
 MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
 """The most batches a replay buffer may hold: the replay socket's high-water mark has room for

@@ -40,9 +40,8 @@ from typing import Final, TypeAlias, TypeVar
 
 import zmq
 
-from kvbridge.adapters.endpoints import allow_ipv6, loopback
+from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.publisher import MAX_HWM
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState

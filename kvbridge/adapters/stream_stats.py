@@ -48,9 +48,10 @@ class BadFrame(StrEnum):
     SEQ_JUMP = "seq_jump"
     """A forward jump past ``max_gap`` (see the subscriber's "sequence jumps")."""
     THROTTLED = "throttled"
-    """Live messages skipped while the stream is suspended, out of clear tokens. The batches
-    they carried may still come through the start-over's replay (then counted ``replayed``
-    too); those that do not are counted ``lost``."""
+    """Live messages skipped while the stream is suspended, out of clear tokens. After a loss
+    or a restart (of up to ``max_gap`` batches), the batches they carried may still come
+    through the start-over's replay (then counted ``replayed`` too); those that do not are
+    counted ``lost``. After a jump, the stream is resynced and nothing is counted lost."""
     REPLAY_FRAME_COUNT = "replay_frame_count"
     """A replay answer of neither layout."""
     SCHEMA = "schema"

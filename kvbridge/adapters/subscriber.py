@@ -15,13 +15,11 @@ handles the sockets:
   ZMTP heartbeats unanswered for :data:`HEARTBEAT_TIMEOUT_MS`) is seen by a socket monitor
   (``disconnects``). The engine may have been replaced by a new process whose sequence has
   already passed the old last, which the sequence numbers alone cannot show. So the first
-  message after a drop that continues the sequence checks the publisher
-  (``reconnect_checks``, see
-  :meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`): the same process
-  goes on, a new one is a restart (``restarts``). Consistency comes before stale hits. (A
-  stream that starts over after a suspension has nothing to continue, and checks nothing.)
-  A drop also ends the source's replay back-off (see
-  :mod:`~kvbridge.adapters.replay_client`).
+  message after a drop that continues the sequence checks the publisher (``reconnect_checks``,
+  :meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`): the same process goes
+  on, a new one is a restart (``restarts``). Consistency comes before stale hits. (A stream
+  that starts over after a suspension has nothing to continue, and checks nothing.) A drop
+  also ends the source's replay back-off (see :mod:`~kvbridge.adapters.replay_client`).
 - **replays**: a stream that waits for a replay is not read until the answer is in (or timed
   out), and every other source is read meanwhile (see
   :mod:`~kvbridge.adapters.replays_in_flight`; ``max_replays`` answers at a time
@@ -43,9 +41,9 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
   protocol error, does not reconnect by itself: the subscriber watches each SUB socket (a
   socket monitor), counts ``disconnects`` and reconnects. What was sent meanwhile shows up as
   a gap.
-- **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB and DEALER
-  (a DEALER's holds a whole replay answer). Under a flood, ZMQ sheds what does not fit (the
-  engine's PUB drops it); the shed batches are sequence gaps, replayed or counted ``lost``.
+- **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB, and on a
+  replay DEALER room for a whole answer (``replay_max_messages`` + 1). Under a flood, ZMQ sheds
+  what does not fit (the engine's PUB drops it); the shed batches are gaps, replayed or lost.
 - **replay answers**: bounded in batches and bytes (see
   :mod:`~kvbridge.adapters.replay_client`).
 - **sequence jumps**: a forward jump of more than ``max_gap`` [:data:`DEFAULT_MAX_GAP`] is bad
@@ -100,7 +98,8 @@ MAXMSGSIZE_MARGIN: Final = 64 * 1024
 MAX_FRAME_BYTES: Final = 2**63 - 1 - MAXMSGSIZE_MARGIN
 """The largest ``max_frame_bytes``: ZMQ's ``MAXMSGSIZE`` is a signed 64-bit integer."""
 DEFAULT_RCVHWM: Final = 10_000
-"""Messages ZMQ queues per SUB or DEALER socket before it sheds (0 would be unbounded)."""
+"""Messages ZMQ queues per SUB socket before it sheds (0: unbounded); a replay DEALER's holds
+a whole answer (:attr:`~kvbridge.adapters.replay_client.ReplayClient.answer_hwm`)."""
 DEFAULT_POLL_BUDGET: Final = 4096
 """Messages one :meth:`Subscriber.poll` reads at most, over all sources."""
 DEFAULT_SOURCE_BUDGET: Final = 256

@@ -88,13 +88,12 @@ def require_rich() -> None:
 
 
 class _SourceTally:
-    """What one source's items said, counted from outside the subscriber (but for ``lost``,
-    which the subscriber counts: see :meth:`WatchView._worker_tally`)."""
+    """What one source's items said, counted from outside the subscriber."""
 
-    __slots__ = ("gaps", "live", "lost", "previous_live", "replayed", "restarts")
+    __slots__ = ("gaps", "live", "previous_live", "replayed", "restarts")
 
     def __init__(self) -> None:
-        self.gaps = self.replayed = self.lost = self.restarts = 0
+        self.gaps = self.replayed = self.restarts = 0
         self.live = False
         """A live batch was delivered since the start or the last restart."""
         self.previous_live = False
@@ -164,22 +163,24 @@ class WatchView:
     # -- output --------------------------------------------------------------------------
 
     def _worker_tally(self, worker_id: int) -> _SourceTally:
-        """The tallies of ``worker_id``'s sources, summed, and the batches the subscriber
-        counted lost from them: a suspended stream's loss is known only when it starts over,
-        after its reset went out, so the resets' ``lost_batches`` would undercount it."""
         total = _SourceTally()
         for source, tally in self._tallies.items():
             if source.worker_id == worker_id:
                 total.gaps += tally.gaps
                 total.replayed += tally.replayed
                 total.restarts += tally.restarts
+        return total
+
+    def _lost(self, worker_id: int) -> int:
+        """The batches the subscriber counted lost from ``worker_id``'s sources: a suspended
+        stream's loss is known only when it starts over, after its reset went out, so the
+        resets' ``lost_batches`` would undercount it."""
         subscriber = self.relay.subscriber
-        total.lost = sum(
+        return sum(
             subscriber.lost_batches(source)
             for source in subscriber.sources
             if source.worker_id == worker_id
         )
-        return total
 
     def _lag(self, worker_id: int) -> str:
         ts = self._engine_ts.get(worker_id)
@@ -200,12 +201,12 @@ class WatchView:
             ) + sum(normalizer.dropped.values())
             rate = (blocks - self._last_blocks[worker_id]) / elapsed
             self._last_blocks[worker_id] = blocks
-            tally = self._worker_tally(worker_id)
+            tally, lost = self._worker_tally(worker_id), self._lost(worker_id)
             drops = sum(n for reason, n in normalizer.stats.items() if reason not in BENIGN)
             figures: list[str] = [
                 f"{rate:.1f}",
                 self._lag(worker_id),
-                *map(str, (tally.gaps, tally.replayed, tally.lost, tally.restarts, drops)),
+                *map(str, (tally.gaps, tally.replayed, lost, tally.restarts, drops)),
             ]
             for rank in normalizer.dp_ranks or [0]:
                 tiers = (str(normalizer.resident_blocks(rank, tier)) for tier in Tier)

@@ -44,8 +44,11 @@ def poll_until(
 ) -> list[Message | StreamReset]:
     """Poll until ``done()`` is true; what came out meanwhile."""
     items: list[Message | StreamReset] = []
-    step = lambda: items.extend(subscriber.poll(20))  # noqa: E731
-    wait_until(done, step, lambda: (items, subscriber.stats), timeout=timeout)
+
+    def step() -> None:
+        items.extend(subscriber.poll(20))
+
+    wait_until(done, step, lambda: (shape(items[-20:]), subscriber.stats), timeout=timeout)
     return items
 
 
