@@ -9,6 +9,7 @@ to both, as to a vLLM engine.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from copy import deepcopy
 
@@ -22,7 +23,7 @@ from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
 from kvbridge.adapters.source import Message, Source
-from kvbridge.adapters.stream_stats import SubscriberStats
+from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 from kvbridge.adapters.subscriber import Subscriber
 
 
@@ -227,3 +228,59 @@ def test_a_replay_dealer_has_room_for_a_whole_answer(
     that is more; 0 (no bound) stays 0, and nothing goes past what ZMQ takes."""
     with Subscriber([], context=ctx, **options) as subscriber:
         assert subscriber.replay_client.answer_hwm == hwm
+
+
+def test_a_start_over_replays_only_the_run_after_the_last_hole(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """A stream suspended by a loss (its one clear token spent on the loss before) starts
+    over at batch 8 once released. Its replay from the loss, 3, answers 3, 5, 6 and 7: only
+    the run after the hole reaches 8 unbroken, since the missing 4 could have removed a block
+    that 3 stored. 5..7 are delivered; 3 and 4 count as lost."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, clear_burst=1, clear_interval=2.0) as subscriber,
+    ):
+        stats = subscriber.stats
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        # Two losses (the replay answers nothing: aged out): the first spends the token and
+        # goes on, the second finds none and suspends the stream.
+        went_on = (lambda: subscriber.last_seq(source) == 2, lambda: subscriber.suspended(source))
+        for missing, done in zip((1, 3), went_on, strict=True):
+            engine.publish(b"batch %d" % (missing + 1), seq=missing + 1)
+            items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+            identity, start = replay.request()
+            assert start == missing
+            replay.answer(identity, [])
+            items += poll_until(subscriber, done)
+        items += poll_until(subscriber, lambda: stats.resyncs)  # released: the token is back
+        engine.publish(b"batch 8", seq=8)
+        items += subscriber.poll(int(TIMEOUT * 1000))  # the start-over's request goes out
+        identity, start = replay.request()
+        assert start == 3
+        replay.answer(identity, [(seq, b"batch %d" % seq) for seq in (3, 5, 6, 7, 8)])
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 8)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        (0, False),
+        ("lost", 1),
+        (2, False),
+        ("lost", 0),
+        (5, True),
+        (6, True),
+        (7, True),
+        (8, False),
+    ]
+    assert final == SubscriberStats(
+        messages=4,
+        gaps=2,
+        replays=3,
+        replayed=3,
+        lost=3,
+        resyncs=1,
+        bad_frames=Counter({BadFrame.THROTTLED: 1}),
+    )
