@@ -217,3 +217,40 @@ def test_package_import_does_not_load_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_relay_that_stopped_is_replaced(
+    hop: RelayHop, engines: tuple[SimulatedEngine, SimulatedEngine]
+) -> None:
+    """A fault injected into a replica's relay (a test double of a bug: its step raises) ends
+    the relay's thread. The next translation closes it and relays the replica anew, on new
+    ports, so the registry sees a new advert; the new relay takes the engine's whole stream
+    (its replay from 0) and what it publishes next."""
+    a, _ = engines
+    a.generate(PROMPT, 2)
+    stats = ray_llm_stats(a)
+    first = hop.translate({"ra": stats}, complete=True)["ra"]
+    broken = hop.relay("ra")
+    assert broken is not None
+
+    def fault(timeout_ms: int = 100) -> int:
+        raise RuntimeError("injected fault")
+
+    broken.step = fault  # type: ignore[method-assign]
+    deadline = time.monotonic() + 5
+    while broken.failure is None:
+        assert time.monotonic() < deadline, "the relay's thread never stopped"
+        time.sleep(0.01)
+
+    again = hop.translate({"ra": stats}, complete=True)["ra"]  # the same stats object
+    assert read_advert(again) != read_advert(first)
+    assert (hop.started, hop.closed, hop.failed) == (2, 1, 1)
+    relay = hop.relay("ra")
+    assert relay is not None and relay is not broken and relay.failure is None
+    a.generate(OTHER, 2)
+    deadline = time.monotonic() + 5
+    while relay.stats.batches_in < a.total_published:
+        assert time.monotonic() < deadline, (relay.stats, a.total_published)
+        time.sleep(0.01)
+    assert relay.stats.batches_in == a.total_published

@@ -66,6 +66,7 @@ def deploy(
     select_timeout_s: float = 1.0,
     num_replicas: int = 3,
     token_shift: int = 0,
+    health_check_period_s: float | None = None,
 ) -> Any:
     """Run the app: ``router=None`` keeps Serve's default (power of two choices). Serve keeps
     one router per deployment per process, so each router needs an app name of its own."""
@@ -75,6 +76,8 @@ def deploy(
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": 8,
     }
+    if health_check_period_s is not None:
+        options["health_check_period_s"] = health_check_period_s
     if router is not None:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router,
@@ -262,6 +265,45 @@ def test_replica_death_moves_its_sessions(ray_cluster: None) -> None:
     assert state.stats.registry.deregistered >= 1
     wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
     serve.delete("death")
+
+
+def test_a_replica_whose_relay_stopped_is_replaced(ray_cluster: None) -> None:
+    """A fault injected into a replica's relay (a test double of a bug: its step raises) ends
+    the relay's thread. The replica's ``check_health`` then fails with the relay's error, Serve
+    replaces the replica, and Dynamo drops the stale worker and registers the new one."""
+    handle = deploy(DynamoKVRouter, app="health", num_replicas=1, health_check_period_s=2.0)
+    (first,) = replica_ids(handle, 1)
+    state = wait_registered(handle, {first}, app="health")
+    handle.inject_relay_fault.remote().result()
+
+    def health() -> str:
+        try:
+            handle.check_health.remote().result(timeout_s=10)
+        except Exception as error:  # the replica's RuntimeError, as Serve raises it here
+            return str(error)
+        return "healthy"
+
+    wait_until(lambda: "relay stopped" in health(), timeout=10, what="the health check failing")
+    assert "the KV-event relay stopped: RuntimeError('injected fault')" in health()
+
+    def replaced() -> str | None:
+        try:
+            replica: str = handle.remote().result(timeout_s=10)["replica"]
+        except Exception:  # a request that meets the replica Serve is stopping
+            return None
+        return replica if replica != first else None
+
+    wait_until(lambda: replaced() is not None, timeout=90, what="the replica replaced")
+    (second,) = replica_ids(handle, 1)
+    wait_registered(handle, {second}, app="health")
+    stale = worker_id_for(first)
+    wait_until(
+        lambda: all(int(w["worker_id"]) != stale for w in state.client.service.list_workers()),
+        what="the stale worker deregistered",
+    )
+    answer = handle.remote(prompt_token_ids=[7] * 40, max_tokens=2).result()
+    assert answer["replica"] == second and len(answer["output"]) == 2
+    serve.delete("health")
 
 
 def test_fallback_without_tokens_or_answer(ray_cluster: None) -> None:

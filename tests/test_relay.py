@@ -840,3 +840,30 @@ def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
         assert relay.output_stats.snapshots == 1
         live.close(linger=0)
     ctx.term()
+
+
+# --------------------------------------------------------------------------- 7. a relay that stops
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_relay_whose_thread_stops_on_an_error_keeps_it() -> None:
+    """A fault injected as a test double of a bug (the relay's step raises) ends the relay's
+    thread; :attr:`Relay.failure` keeps the error for whoever watches the relay (a replica's
+    health check), and closing the relay afterwards is clean."""
+    ctx = zmq.Context()
+    base = free_port_range(1)
+    relay = Relay([Source(f"tcp://127.0.0.1:{base}")], block_size=BLOCK_SIZE, context=ctx)
+    assert relay.failure is None
+
+    def fault(timeout_ms: int = 100) -> int:
+        raise RuntimeError("injected fault")
+
+    relay.step = fault  # type: ignore[method-assign]
+    relay.start()
+    deadline = time.monotonic() + 5
+    while relay.failure is None:
+        assert time.monotonic() < deadline, "the relay's thread never stopped"
+        time.sleep(0.01)
+    assert repr(relay.failure) == "RuntimeError('injected fault')"
+    relay.close()
+    ctx.term()

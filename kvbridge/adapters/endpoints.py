@@ -50,6 +50,7 @@ __all__ = [
     "clash",
     "is_ipv6",
     "loopback",
+    "offset_endpoint",
     "parse_endpoint",
     "should_bind",
     "tcp_address",
@@ -106,6 +107,16 @@ def tcp_address(host: str, port: int | str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """``tcp://host:port`` with the port moved up by ``offset``, as vLLM offsets dp ranks."""
+    if offset == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not endpoint.startswith("tcp://"):
+        raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
+    return f"{head}:{int(port) + offset}"
 
 
 def loopback(address: str) -> str:

@@ -38,13 +38,11 @@ listener, see the README's "Failure modes"):
   every resident block, then the buffered batches after it. The normalizer belongs to the
   relay's thread, so the replay thread queues the request and :meth:`Relay.step` answers it.
 
-When a poll brings several batches (a backlog), they are published in bursts of up to
-:data:`PUBLISH_BURST`, each output's in order, and always before :meth:`Relay.step` returns;
-the batches of one output in a burst go out merged, as few canonical batches of up to
-``merge_bytes`` (:data:`DEFAULT_MERGE_BYTES`) as hold their events. Each message costs the
-relay's core a wake-up of ZMQ's I/O thread and a TCP write (about 13 us on a 2-core KVM guest),
-and the consumer's its own: a burst shares the wake-ups, a merged batch saves the messages. A
-batch that arrives alone is published as soon as it is normalized, as one message.
+A backlog is published in bursts of up to :data:`PUBLISH_BURST` batches, each output's in order
+and merged into as few canonical batches of up to ``merge_bytes`` (:data:`DEFAULT_MERGE_BYTES`)
+as hold their events, before :meth:`Relay.step` returns. A message costs a wake-up of ZMQ's I/O
+thread and a TCP write (about 13 us on a 2-core KVM guest), and the consumer its own: a burst
+shares the wake-ups, a merged batch saves messages. A batch alone goes out at once, as is.
 """
 
 from __future__ import annotations
@@ -61,6 +59,7 @@ import msgspec
 import zmq
 
 from kvbridge._closing import ClosedOnExit
+from kvbridge.adapters.endpoints import offset_endpoint
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
 from kvbridge.adapters.replay_server import ReplayServer
@@ -78,7 +77,7 @@ from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payload
 if TYPE_CHECKING:
     from kvbridge.adapters.tiered_index import TieredIndex
 
-__all__ = ["Relay", "offset_endpoint", "output_hwm_for"]
+__all__ = ["Relay", "output_hwm_for"]
 
 _STOP_TIMEOUT_S: Final = 5.0
 DEFAULT_HEARTBEAT_S: Final = 0.5
@@ -146,16 +145,6 @@ def raise_limits(context: zmq.Context[zmq.Socket[bytes]], sockets: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-def offset_endpoint(endpoint: str, offset: int) -> str:
-    """``tcp://host:port`` with the port moved up by ``offset``, as vLLM offsets dp ranks."""
-    if offset == 0:
-        return endpoint
-    head, sep, port = endpoint.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not endpoint.startswith("tcp://"):
-        raise ValueError(f"cannot offset {endpoint!r}: several workers need tcp://host:port")
-    return f"{head}:{int(port) + offset}"
 
 
 def _opening_clear(ts: float, dp_rank: int) -> bytes:
@@ -248,6 +237,8 @@ class Relay(ClosedOnExit):
         """Each worker's normalizer and lag, by worker id (the pipeline's own)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        """What ended :meth:`run`, if an error did: the relay no longer moves."""
         self.outputs: dict[Source, Publisher] = {}
         self._held: list[_Held] = []
         """Batches normalized and not yet published, in stream order (see :meth:`step`)."""
@@ -370,9 +361,14 @@ class Relay(ClosedOnExit):
             held.clear()
 
     def run(self, stop: threading.Event, timeout_ms: int = 100) -> None:
-        """Relay until ``stop`` is set."""
-        while not stop.is_set():
-            self.step(timeout_ms)
+        """Relay until ``stop`` is set. An error that ends it is kept in :attr:`failure`, then
+        raised: a relay on a thread is then seen to have stopped (a replica's health check)."""
+        try:
+            while not stop.is_set():
+                self.step(timeout_ms)
+        except BaseException as error:
+            self.failure = error
+            raise
 
     def start(self) -> None:
         """Relay on a daemon thread until :meth:`close`. The relay's sockets then belong to

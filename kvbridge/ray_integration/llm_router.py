@@ -97,17 +97,30 @@ class RelayHop:
         self._relayed: dict[str, _Relayed] = {}
         self._seen: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
         self.started = 0
-        """Relays started (a replica whose advert changed counts again)."""
+        """Relays started (a replica whose advert changed, or whose relay failed, counts
+        again)."""
         self.closed = 0
+        self.failed = 0
+        """Relays found stopped on an error: each is closed, and its replica relayed anew."""
 
     def translate(
         self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool
     ) -> dict[str, Mapping[str, Any] | None]:
         """The stats to register for ``replicas``; with ``complete`` (every replica of the
-        deployment is listed), the relays of replicas not listed are closed."""
+        deployment is listed), the relays of replicas not listed are closed. A relay that
+        stopped on an error is replaced by a new one, on new ports: the registry sees a new
+        advert, so the router's Dynamo drops the stalled stream and subscribes to the new."""
         out: dict[str, Mapping[str, Any] | None] = {}
         stale: list[Relay] = []
         with self._lock:
+            for replica_id, relayed in list(self._relayed.items()):
+                if relayed.relay.failure is not None:
+                    structlog.get_logger("kvbridge.ray.llm_router").warning(
+                        "relay stopped, replaced", replica=replica_id, error=relayed.relay.failure
+                    )
+                    self.failed += 1
+                    stale.append(self._relayed.pop(replica_id).relay)
+                    self._seen.pop(replica_id, None)
             for replica_id, stats in replicas.items():
                 seen = self._seen.get(replica_id)
                 if stats is not None and seen is not None and seen[0] is stats:

@@ -35,7 +35,7 @@ class KVEventsReplica:
     Picks free ports for the engine and the relay, starts a :class:`~kvbridge.adapters.relay.Relay`
     on a background thread, and advertises the relay's endpoints, the block size and the dp ranks
     through ``record_routing_stats``, which :class:`~kvbridge.ray_integration.DynamoKVRouter`
-    reads.
+    reads. Its ``check_health`` fails once the relay has stopped on an error.
 
     Args:
         block_size: the engine's tokens per KV block.
@@ -98,6 +98,15 @@ class KVEventsReplica:
         return vllm_engine_kwargs(
             self.kv_ports, block_size=self.kv_block_size, topic=self.kv_topic, **engine_kwargs
         )
+
+    def check_health(self) -> None:
+        """Serve calls this every ``health_check_period_s``. A replica whose relay stopped on
+        an error is unhealthy, so that Serve replaces it, rather than the router's Dynamo
+        indexing a stream that no longer moves. A deployment that defines its own
+        ``check_health`` calls this one too."""
+        failure = self.kv_relay.failure
+        if failure is not None:
+            raise RuntimeError(f"the KV-event relay stopped: {failure!r}") from failure
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this; the router registers the replica from it."""

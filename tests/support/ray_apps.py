@@ -201,6 +201,14 @@ class SimulatedReplica(KVEventsReplica):
             "cpu_hit": completion.num_external_tokens,
         }
 
+    def inject_relay_fault(self) -> None:
+        """A test double of a bug in the relay: its next step raises, which ends its thread."""
+
+        def fault(timeout_ms: int = 100) -> int:
+            raise RuntimeError("injected fault")
+
+        self.kv_relay.step = fault  # type: ignore[method-assign]
+
     def _wait_relayed(self, published: int, timeout_s: float = 5.0) -> None:
         """Waits (at most ``timeout_s``) until the relay has taken in every batch the engines
         published, so that an answer leaves after its request's events: the next request's
