@@ -1126,3 +1126,28 @@ def test_compare_of_a_stream_with_two_workers_is_exit_1(tmp_path: Path) -> None:
         "stream is one worker's, so a comparison cannot tell whose its blocks are"
     )
     assert result.returncode == 1
+
+
+def test_an_error_in_the_relays_loop_is_exit_1_not_a_usage_error() -> None:
+    """A fault injected as a test double of a bug: the relay's step raises a ``ValueError``,
+    which before the loop would mean a bad argument (exit 2). In the loop it is one line that
+    names the error, exit 1, and its traceback in the log."""
+    port = free_port_range(2)
+    args = ["relay", "--source", f"tcp://*:{port}", "--publish", f"tcp://127.0.0.1:{port + 1}"]
+    code = (
+        "import sys\n"
+        "from kvbridge.adapters.relay import Relay\n"
+        "def fault(self, timeout_ms=100):\n"
+        "    raise ValueError('injected fault')\n"
+        "Relay.step = fault\n"
+        "from kvbridge.cli import main\n"
+        f"sys.exit(main({[*args, '--block-size', '16']!r}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=TIMEOUT
+    )
+    assert result.stderr.splitlines()[-1:] == [
+        "kvbridge relay: error: stopped on an error: ValueError('injected fault')"
+    ]
+    assert result.returncode == 1
+    assert "ValueError: injected fault" in result.stderr  # the traceback, logged

@@ -20,9 +20,11 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from kvbridge.adapters.relay import Relay
 from kvbridge.ray_integration import RoutingState, read_advert, worker_id_for
 from kvbridge.ray_integration.advert import RAY_LLM_STATS_KEY, ROUTING_STATS_KEY
-from kvbridge.ray_integration.llm_router import RelayHop, relay_hop
+from kvbridge.ray_integration.llm_router import _RelayedRouting
+from kvbridge.ray_integration.relay_hop import RELAY_RETRY_S, RelayHop, relay_hop
 from kvbridge.testing import SimulatedEngine
 
 BLOCK = 16
@@ -219,38 +221,72 @@ def test_package_import_does_not_load_vllm() -> None:
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_relay_that_stopped_is_replaced(
-    hop: RelayHop, engines: tuple[SimulatedEngine, SimulatedEngine]
-) -> None:
-    """A fault injected into a replica's relay (a test double of a bug: its step raises) ends
-    the relay's thread. The next translation closes it and relays the replica anew, on new
-    ports, so the registry sees a new advert; the new relay takes the engine's whole stream
-    (its replay from 0) and what it publishes next."""
-    a, _ = engines
-    a.generate(PROMPT, 2)
-    stats = ray_llm_stats(a)
-    first = hop.translate({"ra": stats}, complete=True)["ra"]
-    broken = hop.relay("ra")
-    assert broken is not None
+def broken(relay: Relay) -> Relay:
+    """``relay`` after a fault injected as a test double of a bug (its step raises) has ended
+    its thread."""
 
     def fault(timeout_ms: int = 100) -> int:
         raise RuntimeError("injected fault")
 
-    broken.step = fault  # type: ignore[method-assign]
+    relay.step = fault  # type: ignore[method-assign]
     deadline = time.monotonic() + 5
-    while broken.failure is None:
+    while relay.failure is None:
         assert time.monotonic() < deadline, "the relay's thread never stopped"
         time.sleep(0.01)
+    return relay
 
-    again = hop.translate({"ra": stats}, complete=True)["ra"]  # the same stats object
-    assert read_advert(again) != read_advert(first)
-    assert (hop.started, hop.closed, hop.failed) == (2, 1, 1)
-    relay = hop.relay("ra")
-    assert relay is not None and relay is not broken and relay.failure is None
-    a.generate(OTHER, 2)
-    deadline = time.monotonic() + 5
-    while relay.stats.batches_in < a.total_published:
-        assert time.monotonic() < deadline, (relay.stats, a.total_published)
-        time.sleep(0.01)
-    assert relay.stats.batches_in == a.total_published
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_relay_that_stopped_is_replaced(
+    engines: tuple[SimulatedEngine, SimulatedEngine],
+) -> None:
+    """A replica's relay in the router stops on an error. Serve syncs the replicas only when
+    they change, so the router looks for failed relays before each request
+    (``resync_failed_relays``): the replica is relayed anew on new ports, Dynamo re-registers
+    it on the new advert, and what the engine cached before and after reaches Dynamo through
+    the new relay. A relay that fails again is replaced only after the replica's back-off."""
+    a, _ = engines
+    state = RoutingState("llm#failed", block_size=BLOCK)
+    hop = relay_hop(state)
+    routing = _RelayedRouting(state, hop)
+    ready = {worker_id_for("ra"): "ra"}
+
+    async def overlap(request_id: str, tokens: list[int]) -> int:
+        choice = await state.choose(request_id, tokens, ready)
+        state.release(request_id)
+        return choice.overlap.device
+
+    def indexed(tokens: list[int], blocks: int) -> None:
+        deadline = time.monotonic() + 10
+        while asyncio.run(overlap("probe", tokens)) != blocks:
+            assert time.monotonic() < deadline, f"Dynamo never indexed {blocks} blocks"
+            time.sleep(0.05)
+
+    try:
+        routing.sync({"ra": ray_llm_stats(a)}, complete=True).result(10)
+        a.generate(PROMPT)
+        indexed(PROMPT, 6)
+        assert routing.resync_failed_relays() is None  # nothing failed
+        first = broken(hop.relay("ra"))  # type: ignore[arg-type]
+        routing.resync_failed_relays().result(10)
+        relay = hop.relay("ra")
+        assert relay is not None and relay is not first and relay.failure is None
+        assert (hop.started, hop.closed, hop.failed) == (2, 1, 1)
+        assert state.stats.registry.registered == 2  # the new advert registered again
+        a.generate(OTHER)
+        indexed(PROMPT, 6)  # through the new relay's replay from 0
+        indexed(OTHER, 4)  # and live
+
+        broken(relay)
+        assert not hop.needs_resync()  # within the replica's back-off
+        assert routing.resync_failed_relays() is None
+        deadline = time.monotonic() + RELAY_RETRY_S + 5
+        while not hop.needs_resync():
+            assert time.monotonic() < deadline, "the back-off never ended"
+            time.sleep(0.05)
+        routing.resync_failed_relays().result(10)
+        assert (hop.started, hop.closed, hop.failed) == (3, 2, 2)
+        indexed(OTHER, 4)
+    finally:
+        hop.close()
+        state.close()

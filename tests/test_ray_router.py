@@ -276,24 +276,32 @@ def test_a_replica_whose_relay_stopped_is_replaced(ray_cluster: None) -> None:
     state = wait_registered(handle, {first}, app="health")
     handle.inject_relay_fault.remote().result()
 
-    def health() -> str:
+    failures: list[str] = []
+
+    def unhealthy() -> bool:
         try:
             handle.check_health.remote().result(timeout_s=10)
         except Exception as error:  # the replica's RuntimeError, as Serve raises it here
-            return str(error)
-        return "healthy"
+            failures.append(str(error))
+            return "relay stopped" in failures[-1]
+        return False
 
-    wait_until(lambda: "relay stopped" in health(), timeout=10, what="the health check failing")
-    assert "the KV-event relay stopped: RuntimeError('injected fault')" in health()
+    wait_until(unhealthy, timeout=10, what="the health check failing")
+    assert "the KV-event relay stopped: RuntimeError('injected fault')" in failures[-1]
 
-    def replaced() -> str | None:
+    errors: list[Exception] = []
+
+    def replaced() -> bool:
         try:
-            replica: str = handle.remote().result(timeout_s=10)["replica"]
-        except Exception:  # a request that meets the replica Serve is stopping
-            return None
-        return replica if replica != first else None
+            return bool(handle.remote().result(timeout_s=10)["replica"] != first)
+        except Exception as error:  # a request that meets the replica Serve is stopping
+            errors.append(error)
+            return False
 
-    wait_until(lambda: replaced() is not None, timeout=90, what="the replica replaced")
+    try:
+        wait_until(replaced, timeout=90, what="the replica replaced")
+    except AssertionError as timeout:
+        raise AssertionError(f"{timeout}; the last error: {errors[-1:]!r}") from None
     (second,) = replica_ids(handle, 1)
     wait_registered(handle, {second}, app="health")
     stale = worker_id_for(first)

@@ -237,7 +237,7 @@ class Relay(ClosedOnExit):
         """Each worker's normalizer and lag, by worker id (the pipeline's own)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
+        self.failure: Exception | None = None
         """What ended :meth:`run`, if an error did: the relay no longer moves."""
         self.outputs: dict[Source, Publisher] = {}
         self._held: list[_Held] = []
@@ -366,7 +366,7 @@ class Relay(ClosedOnExit):
         try:
             while not stop.is_set():
                 self.step(timeout_ms)
-        except BaseException as error:
+        except Exception as error:
             self.failure = error
             raise
 

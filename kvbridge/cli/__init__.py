@@ -1,7 +1,8 @@
 """The ``kvbridge`` command, the top layer: it may import everything, and nothing imports it.
 
 Exit codes: 0 when the command did its job, 1 for invalid data (``validate`` found a bad frame or
-an unmet requirement; a file that is not a readable capture), 2 for bad usage (an argument that
+an unmet requirement; a file that is not a readable capture) or a relay that stopped on an error
+in its loop (:func:`.live.loop_failures`), 2 for bad usage (an argument that
 is wrong, missing, repeated or refused, an endpoint that cannot be bound or connected, a missing
 file, a missing extra). Errors are one line on stderr; a closed stdout (``kvbridge schema |
 head``) ends the command quietly.

@@ -104,6 +104,21 @@ def until(args: argparse.Namespace) -> threading.Event:
 
 
 @contextmanager
+def loop_failures() -> Iterator[None]:
+    """Around a command's loop over its sockets: an error raised there is a bug (no input is
+    known to raise one), not a bad argument, so it ends the command with exit 1 and its
+    traceback logged, rather than as the usage error (exit 2) that a ``ValueError`` or a
+    ``ZMQError`` means before the loop. A closed stdout stays what it is."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except Exception as error:
+        log.exception("stopped on an error")
+        raise RuntimeError(f"stopped on an error: {error!r}") from error
+
+
+@contextmanager
 def metrics_served(
     args: argparse.Namespace, relay: Relay | None = None, subscriber: Subscriber | None = None
 ) -> Iterator[None]:

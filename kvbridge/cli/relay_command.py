@@ -54,7 +54,8 @@ def run_relay(args: argparse.Namespace) -> int:
             )
         stop = live.until(args)
         silence = live.silence(sources)
-        while not stop.is_set():
-            relay.step(100)
-            silence.check(live.delivered(relay.subscriber, sources))
+        with live.loop_failures():
+            while not stop.is_set():
+                relay.step(100)
+                silence.check(live.delivered(relay.subscriber, sources))
     return 0

@@ -13,12 +13,14 @@ class name changed::
     )
 
 Those adverts name the engine's *raw* vLLM streams. The router never registers them with Dynamo
-as they are: a :class:`RelayHop` runs one :class:`~kvbridge.adapters.relay.Relay` per replica in
-the router's process, subscribed to the replica's stream (and its replay socket), and registers
-the relay's loopback endpoints instead. Dynamo's ``SelectionService`` therefore indexes
-kvbridge's canonical stream: engine hashes rewritten to Dynamo's, CPU placeholders resolved,
-tiers reference-counted. Replicas that advertise kvbridge's own canonical streams
-(:class:`~kvbridge.ray_integration.KVEventsReplica`) are registered directly, as before.
+as they are: a :class:`~kvbridge.ray_integration.relay_hop.RelayHop` runs one
+:class:`~kvbridge.adapters.relay.Relay` per replica in the router's process, subscribed to the
+replica's stream (and its replay socket), and registers the relay's loopback endpoints instead
+(a relay that stopped on an error is replaced, looked for before each request). Dynamo's
+``SelectionService`` therefore indexes kvbridge's canonical stream: engine hashes rewritten to
+Dynamo's, CPU placeholders resolved, tiers reference-counted. Replicas that advertise
+kvbridge's own canonical streams (:class:`~kvbridge.ray_integration.KVEventsReplica`) are
+registered directly, as before.
 
 A text completion or chat request is tokenized in the router exactly as the deployment's vLLM
 will tokenize it (:class:`~kvbridge.ray_integration.tokenize.VllmTokenizer`, built once per
@@ -26,7 +28,7 @@ process from the deployment's own ``LLMConfig``, on a thread of its own), unless
 ``tokenizer`` hook is given in ``request_router_kwargs``.
 
 Importing ``ray.serve.llm`` loads vLLM (15 s or more), so this module imports it only when
-:data:`DynamoLLMRouter` is first looked up; :class:`RelayHop` needs neither.
+:data:`DynamoLLMRouter` is first looked up; the relay hop needs neither.
 
 Ray pickles a router's module by value, which copies its globals: the hop of a deployment is
 kept on that deployment's :class:`~kvbridge.ray_integration.RoutingState` (one per process),
@@ -36,18 +38,14 @@ which lives in a module Ray pickles by reference.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import structlog
 
-from kvbridge.adapters.endpoints import tcp_address
-from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.source import Source
-from kvbridge.ray_integration.advert import KVEventsAdvert, read_advert
 from kvbridge.ray_integration.prompt import TOKEN_FIELDS, _field
-from kvbridge.ray_integration.routing import RoutingState, worker_id_for
+from kvbridge.ray_integration.relay_hop import RelayHop, relay_hop
+from kvbridge.ray_integration.routing import RoutingState
 from kvbridge.ray_integration.tokenize import VllmTokenizer
 
 if TYPE_CHECKING:
@@ -55,200 +53,9 @@ if TYPE_CHECKING:
 
     DynamoLLMRouter: type[DynamoKVRouter]
 
-__all__ = ["HOP_KEY", "DynamoLLMRouter", "RelayHop", "llm_tokenizer", "relay_hop"]
+__all__ = ["DynamoLLMRouter", "llm_tokenizer"]
 
-RELAY_HOST: Final = "127.0.0.1"
-"""Where the router-side relays publish: loopback, for the router's own Dynamo only."""
-
-HOP_KEY: Final = "kvbridge_relay_hop"
-"""The relay hop's key on its :class:`RoutingState` (:meth:`RoutingState.attachment`)."""
 _TOKENIZER_KEY: Final = "kvbridge_vllm_tokenizer"
-
-
-class _Relayed:
-    """One replica's raw advert, the relay that republishes it, and the advert Dynamo gets."""
-
-    __slots__ = ("advert", "raw", "relay", "stats")
-
-    def __init__(self, raw: KVEventsAdvert, relay: Relay, advert: KVEventsAdvert) -> None:
-        self.raw = raw
-        self.relay = relay
-        self.advert = advert
-        self.stats: dict[str, Any] = advert.routing_stats()
-
-
-class RelayHop:
-    """Turns replicas' raw vLLM adverts into adverts of kvbridge relays running in this process.
-
-    :meth:`translate` maps ``{replica id: routing stats}`` as Serve reports them to the stats the
-    registry should see: a raw advert (Ray Serve LLM's ``kv_event_metadata``) becomes a
-    canonical advert naming the loopback endpoints of a relay that subscribes to the raw stream
-    (started on first sight, replaced when the advert changes, closed when the replica leaves);
-    anything else passes unchanged. The same input object maps to the same output object, so
-    the registry's check for unchanged stats (by identity) stays cheap.
-
-    Args:
-        host: the address the relays publish on (loopback by default).
-    """
-
-    def __init__(self, host: str = RELAY_HOST) -> None:
-        self.host = host
-        self._lock = threading.Lock()
-        self._relayed: dict[str, _Relayed] = {}
-        self._seen: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
-        self.started = 0
-        """Relays started (a replica whose advert changed, or whose relay failed, counts
-        again)."""
-        self.closed = 0
-        self.failed = 0
-        """Relays found stopped on an error: each is closed, and its replica relayed anew."""
-
-    def translate(
-        self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool
-    ) -> dict[str, Mapping[str, Any] | None]:
-        """The stats to register for ``replicas``; with ``complete`` (every replica of the
-        deployment is listed), the relays of replicas not listed are closed. A relay that
-        stopped on an error is replaced by a new one, on new ports: the registry sees a new
-        advert, so the router's Dynamo drops the stalled stream and subscribes to the new."""
-        out: dict[str, Mapping[str, Any] | None] = {}
-        stale: list[Relay] = []
-        with self._lock:
-            for replica_id, relayed in list(self._relayed.items()):
-                if relayed.relay.failure is not None:
-                    structlog.get_logger("kvbridge.ray.llm_router").warning(
-                        "relay stopped, replaced", replica=replica_id, error=relayed.relay.failure
-                    )
-                    self.failed += 1
-                    stale.append(self._relayed.pop(replica_id).relay)
-                    self._seen.pop(replica_id, None)
-            for replica_id, stats in replicas.items():
-                seen = self._seen.get(replica_id)
-                if stats is not None and seen is not None and seen[0] is stats:
-                    out[replica_id] = seen[1]
-                    continue
-                translated, replaced = self._translate(replica_id, stats)
-                if replaced is not None:
-                    stale.append(replaced)
-                if stats is not None:
-                    self._seen[replica_id] = (stats, translated)  # type: ignore[assignment]
-                out[replica_id] = translated
-            if complete:
-                for replica_id in [r for r in self._seen if r not in replicas]:
-                    del self._seen[replica_id]
-                for replica_id in [r for r in self._relayed if r not in replicas]:
-                    stale.append(self._relayed.pop(replica_id).relay)
-        self._close(stale)
-        return out
-
-    def forget(self, replica_id: str) -> None:
-        """Close the relay of a replica that died."""
-        with self._lock:
-            self._seen.pop(replica_id, None)
-            relayed = self._relayed.pop(replica_id, None)
-        self._close([] if relayed is None else [relayed.relay])
-
-    def endpoints(self, replica_id: str) -> KVEventsAdvert | None:
-        """The advert registered for ``replica_id`` in place of its raw one, if relayed."""
-        with self._lock:
-            relayed = self._relayed.get(replica_id)
-        return None if relayed is None else relayed.advert
-
-    def relay(self, replica_id: str) -> Relay | None:
-        """The relay of ``replica_id``, if it has one (for its stats)."""
-        with self._lock:
-            relayed = self._relayed.get(replica_id)
-        return None if relayed is None else relayed.relay
-
-    def close(self) -> None:
-        """Close every relay. Idempotent."""
-        with self._lock:
-            relays = [relayed.relay for relayed in self._relayed.values()]
-            self._relayed.clear()
-            self._seen.clear()
-        self._close(relays)
-
-    def _translate(
-        self, replica_id: str, stats: Mapping[str, Any] | None
-    ) -> tuple[Mapping[str, Any] | None, Relay | None]:
-        try:
-            raw = read_advert(stats)
-        except ValueError:
-            return stats, None  # the registry rejects it, and counts why
-        if raw is None or raw.canonical:
-            return stats, None
-        current = self._relayed.get(replica_id)
-        if current is not None and current.raw == raw:
-            return current.stats, None
-        relayed = self._start(replica_id, raw)
-        self._relayed[replica_id] = relayed
-        return relayed.stats, None if current is None else current.relay
-
-    def _start(self, replica_id: str, raw: KVEventsAdvert) -> _Relayed:
-        worker_id = worker_id_for(replica_id)
-        # The advert names the node's address of a socket vLLM binds (tcp://*): connect to it.
-        sources = [
-            Source(
-                endpoint=raw.endpoints[rank],
-                replay_endpoint=raw.replay_endpoints.get(rank),
-                worker_id=worker_id,
-                bind=False,
-            )
-            for rank in raw.dp_ranks
-        ]
-        endpoints: dict[int, str] = {}
-        replays: dict[int, str] = {}
-        relays: list[Relay] = []
-        # One relay per rank: each output gets its own ephemeral ports (a relay offsets the
-        # ports of several sources from one base, which an ephemeral port cannot give).
-        for rank, source in zip(raw.dp_ranks, sources, strict=True):
-            relay = Relay(
-                [source],
-                block_size=raw.block_size,
-                publish=tcp_address(self.host, "*"),
-                publish_replay=tcp_address(self.host, "*"),
-                replay_on_start=source.replay_endpoint is not None,
-            )
-            relays.append(relay)
-            endpoint, replay = relay.endpoints(source)
-            endpoints[rank] = endpoint
-            if replay is not None:
-                replays[rank] = replay
-        if len(relays) != 1:
-            for relay in relays:
-                relay.close()
-            raise ValueError(f"replica {replica_id}: one dp rank per replica, got {raw.dp_ranks}")
-        relay = relays[0]
-        relay.start()
-        self.started += 1
-        advert = KVEventsAdvert(
-            endpoints=endpoints,
-            block_size=raw.block_size,
-            replay_endpoints=replays,
-            canonical=True,
-        )
-        structlog.get_logger("kvbridge.ray.llm_router").info(
-            "relaying a raw vLLM stream",
-            replica=replica_id,
-            raw=raw.endpoints,
-            relayed=endpoints,
-            block_size=raw.block_size,
-        )
-        return _Relayed(raw, relay, advert)
-
-    def _close(self, relays: list[Relay]) -> None:
-        for relay in relays:
-            relay.close()
-            self.closed += 1
-
-
-def relay_hop(state: RoutingState) -> RelayHop:
-    """The hop of ``state``'s deployment in this process (created on first use).
-
-    Kept on the state (:meth:`RoutingState.attached`), not in this module, whose globals Ray
-    copies.
-    """
-    # Another copy of this module may have made it: the same class by value, not by identity.
-    return cast(RelayHop, state.attached(HOP_KEY, RelayHop))
 
 
 def llm_tokenizer(state: RoutingState, app_name: str, deployment_name: str) -> VllmTokenizer:
@@ -307,7 +114,8 @@ def _make_router_class() -> type[DynamoKVRouter]:
                     self._routing, self._deployment_id.app_name, self._deployment_id.name
                 )
                 self._tokenizer = self._rendered_tokens
-            self._routing = _RelayedRouting(self._routing, self._hop)  # type: ignore[assignment]
+            self._relayed_routing = _RelayedRouting(self._routing, self._hop)
+            self._routing = self._relayed_routing  # type: ignore[assignment]
 
         def _rendered_tokens(self, body: Any) -> list[int] | None:
             return self._text_tokens.get(id(body))
@@ -317,6 +125,7 @@ def _make_router_class() -> type[DynamoKVRouter]:
             candidate_replicas: list[RunningReplica],
             pending_request: PendingRequest | None = None,
         ) -> list[list[RunningReplica]]:
+            self._relayed_routing.resync_failed_relays()
             body = pending_request.args[0] if pending_request and pending_request.args else None
             if self._vllm_tokenizer is None or body is None or not _needs_text_tokens(body):
                 return await super().choose_replicas(candidate_replicas, pending_request)
@@ -348,9 +157,21 @@ class _RelayedRouting:
     def __init__(self, state: RoutingState, hop: RelayHop) -> None:
         self._state = state
         self._hop = hop
+        self._last: Mapping[str, Mapping[str, Any] | None] | None = None
+        """The last complete set of replicas synced."""
 
     def sync(self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool) -> Any:
+        if complete:
+            self._last = replicas
         return self._state.sync(self._hop.translate(replicas, complete=complete), complete=complete)
+
+    def resync_failed_relays(self) -> Any:
+        """Sync the last complete set of replicas again if a relay stopped on an error and may
+        be replaced (:meth:`RelayHop.needs_resync`), so that its replica is relayed anew;
+        ``None`` if there was nothing to do."""
+        if self._last is None or not self._hop.needs_resync():
+            return None
+        return self.sync(self._last, complete=True)
 
     def forget(self, replica_id: str) -> Any:
         self._hop.forget(replica_id)

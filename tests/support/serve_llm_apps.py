@@ -358,7 +358,7 @@ def _relay_stats(hop: Any) -> dict[str, dict[str, Any]]:
 
 def _router_stats(actor: Any) -> dict[str, Any]:
     """Inside the ingress replica's process: every routing state's stats and decisions."""
-    from kvbridge.ray_integration import llm_router, routing
+    from kvbridge.ray_integration import relay_hop, routing
 
     out: dict[str, Any] = {}
     with routing._STATES_LOCK:
@@ -381,7 +381,7 @@ def _router_stats(actor: Any) -> dict[str, Any]:
                 }
                 for d in stats.decisions
             ],
-            "relays": _relay_stats(state.attachment(llm_router.HOP_KEY)),
+            "relays": _relay_stats(state.attachment(relay_hop.HOP_KEY)),
         }
     return out
 
