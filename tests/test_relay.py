@@ -867,3 +867,37 @@ def test_a_relay_whose_thread_stops_on_an_error_keeps_it() -> None:
     assert repr(relay.failure) == "RuntimeError('injected fault')"
     relay.close()
     ctx.term()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_relay_whose_replay_thread_stops_on_an_error_says_so() -> None:
+    """A fault injected as a test double of a bug in the thread that serves the outputs'
+    replays (answering a request raises): the thread ends, and :attr:`Relay.failure` says so,
+    since the relay no longer recovers its consumers' gaps."""
+    ctx = zmq.Context()
+    base = free_port_range(3)
+    with Relay(
+        [Source(f"tcp://127.0.0.1:{base}")],
+        block_size=BLOCK_SIZE,
+        publish=f"tcp://127.0.0.1:{base + 1}",
+        publish_replay=f"tcp://127.0.0.1:{base + 2}",
+        context=ctx,
+    ) as relay:
+
+        def fault(timeout_ms: int) -> None:
+            raise RuntimeError("injected fault")
+
+        assert relay._replays is not None
+        for replays in relay._replays._sockets.values():
+            replays.serve = fault  # type: ignore[method-assign]
+        assert relay.failure is None
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{base + 2}")
+        dealer.send_multipart(request_frames(0))
+        deadline = time.monotonic() + 5
+        while relay.failure is None:
+            assert time.monotonic() < deadline, "the replay thread never stopped"
+            time.sleep(0.01)
+        assert repr(relay.failure) == "RuntimeError('injected fault')"
+        dealer.close(linger=0)
+    ctx.term()

@@ -86,14 +86,12 @@ SNAPSHOT_TIMEOUT_S: Final = 2.0
 """How long a replay request older than the buffer waits for the relay's thread to take the
 snapshot; without an answer (the relay is not stepping) the buffer is replayed as usual."""
 PUBLISH_BURST: Final = 256
-"""Normalized batches held back at most before they are sent, when batches queue up. At about
-25 us of normalizing each, the first of a burst goes out at most 6.4 ms later than it would
-alone, and the backlog as a whole is out sooner: 41 us a batch against 52 without bursts
-(2,299 queued batches through one core, best of 10 runs each)."""
+"""Normalized batches held back at most before they are sent, when batches queue up. At 25 us
+a batch, the first of a burst goes out at most 6.4 ms later than alone, and a backlog sooner:
+41 us a batch against 52 without bursts (2,299 queued batches, one core, best of 10 runs)."""
 DEFAULT_MERGE_BYTES: Final = 64 * 1024
-"""About the largest canonical batch the relay merges a burst's batches into. Merged, a
-backlog costs fewer messages at both ends (:data:`DEFAULT_BUFFER_BYTES` bounds what the replay
-buffer holds of them). 0 merges nothing."""
+"""About the largest canonical batch a burst's batches are merged into: fewer messages at both
+ends (:data:`DEFAULT_BUFFER_BYTES` bounds the replay buffer's). 0 merges nothing."""
 DEFAULT_BUFFER_BYTES: Final = 64 * 1024 * 1024
 """Payload bytes each output's replay buffer holds at most, besides its ``buffer_steps``
 batches: a backlog's merged batches, or an engine's long prefills, cannot make it grow past
@@ -237,8 +235,7 @@ class Relay(ClosedOnExit):
         """Each worker's normalizer and lag, by worker id (the pipeline's own)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.failure: Exception | None = None
-        """What ended :meth:`run`, if an error did: the relay no longer moves."""
+        self._failure: Exception | None = None
         self.outputs: dict[Source, Publisher] = {}
         self._held: list[_Held] = []
         """Batches normalized and not yet published, in stream order (see :meth:`step`)."""
@@ -367,8 +364,15 @@ class Relay(ClosedOnExit):
             while not stop.is_set():
                 self.step(timeout_ms)
         except Exception as error:
-            self.failure = error
+            self._failure = error
             raise
+
+    @property
+    def failure(self) -> Exception | None:
+        """What ended :meth:`run`, or the thread that serves the outputs' replays, if an error
+        did: the relay no longer moves, or no longer recovers its consumers' gaps."""
+        replays = self._replays
+        return self._failure or (None if replays is None else replays.failure)
 
     def start(self) -> None:
         """Relay on a daemon thread until :meth:`close`. The relay's sockets then belong to

@@ -360,6 +360,8 @@ class ReplayServer:
     def __init__(self, sockets: Iterable[ReplaySocket]) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-replays", daemon=True)
+        self.failure: Exception | None = None
+        """What ended the thread, if an error did: replay requests go unanswered."""
         self._poller = zmq.Poller()
         self._sockets: dict[zmq.Socket[bytes], ReplaySocket] = {}
         for replays in sockets:
@@ -373,7 +375,11 @@ class ReplayServer:
         return self
 
     def _loop(self) -> None:
-        _serve_until(self._stop, self._serve_ready)
+        try:
+            _serve_until(self._stop, self._serve_ready)
+        except Exception as error:
+            self.failure = error
+            raise
 
     def _serve_ready(self) -> None:
         """Wait up to ``_REPLAY_POLL_MS`` for requests, then answer every socket that has."""
