@@ -20,7 +20,7 @@ import pytest
 import structlog
 import zmq
 from support.polling import poll_until
-from support.rebind import bound_again, engine_on
+from support.rebind import bound_again, engine_on, listener_gone
 
 from kvbridge.adapters.logs import DEFAULT_BURST
 from kvbridge.adapters.ports import free_port_range
@@ -203,6 +203,7 @@ def test_a_reconnect_checks_whether_the_publisher_is_the_same(
             first.publish(b"batch %d" % n)
         drain(subscriber, 5)
         first.close()
+        listener_gone(base)
         drain(subscriber, 1, lambda stats: stats.disconnects)
         second = bound_again(publisher)
         for n in range(5):

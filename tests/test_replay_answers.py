@@ -16,7 +16,7 @@ from copy import deepcopy
 import pytest
 import zmq
 from support.polling import TIMEOUT, poll_until, receive, shape
-from support.rebind import bound_again, engine_on
+from support.rebind import bound_again, engine_on, listener_gone
 
 from kvbridge.adapters.endpoints import MAX_HWM
 from kvbridge.adapters.ports import free_port_range
@@ -134,6 +134,7 @@ def test_a_drop_while_the_start_up_replay_is_awaited_checks_the_publisher(
         identity, start = replay.request()
         assert start == 0
         first.close()
+        listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects > 0)
         replay.answer(identity, [(seq, b"old %d" % seq) for seq in range(3)])
         items += receive(subscriber, 3)

@@ -32,7 +32,7 @@ import pytest
 import structlog
 import zmq
 from support.polling import TIMEOUT, poll_until, receive, shape, wait_until
-from support.rebind import bound_again, engine_on
+from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import dump_rows, index_of, overlaps
 
 from kvbridge import TieredIndex
@@ -589,7 +589,7 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
                 items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 4)
         items += poll_until(subscriber, lambda: subscriber.suspended(source))
         first.close()
-        # (and the old sockets closed, so that the ports are free)
+        listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects)
         second = bound_again(engine)
         with second:
@@ -695,6 +695,7 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
             first.publish(VALID)
         items = receive(subscriber, 3)
         first.close()
+        listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects)
         with bound_again(engine) as second:
             for _ in range(3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -9,7 +10,7 @@ import zmq
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
 
-__all__ = ["bound_again", "engine_on"]
+__all__ = ["bound_again", "engine_on", "listener_gone"]
 
 
 def engine_on(
@@ -50,3 +51,18 @@ def bound_again(make: Callable[[], Publisher], timeout: float = 5.0) -> Publishe
             if error.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def listener_gone(port: int, timeout: float = 5.0) -> None:
+    """Until nothing listens on ``port`` of 127.0.0.1: after a publisher's ``close``, ZMQ's I/O
+    thread still holds its listener for a moment, and a subscriber that reopens its SUB on the
+    drop (at once) would connect to it and be dropped again, a second disconnect that takes
+    whatever the new SUB had queued. A test waits for this before it lets the subscriber see
+    the drop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        assert time.monotonic() < deadline, f"port {port} still listened on"
+        time.sleep(0.01)
