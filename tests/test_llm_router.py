@@ -20,6 +20,9 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from support.polling import wait_until
+from support.relay_faults import inject_step_fault, stopped
+
 from kvbridge.adapters.relay import Relay
 from kvbridge.ray_integration import RoutingState, read_advert, worker_id_for
 from kvbridge.ray_integration.advert import RAY_LLM_STATS_KEY, ROUTING_STATS_KEY
@@ -222,18 +225,9 @@ def test_package_import_does_not_load_vllm() -> None:
 
 
 def broken(relay: Relay) -> Relay:
-    """``relay`` after a fault injected as a test double of a bug (its step raises) has ended
-    its thread."""
-
-    def fault(timeout_ms: int = 100) -> int:
-        raise RuntimeError("injected fault")
-
-    relay.step = fault  # type: ignore[method-assign]
-    deadline = time.monotonic() + 5
-    while relay.failure is None:
-        assert time.monotonic() < deadline, "the relay's thread never stopped"
-        time.sleep(0.01)
-    return relay
+    """``relay`` after a fault injected into its step has ended its thread."""
+    inject_step_fault(relay)
+    return stopped(relay)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -257,10 +251,12 @@ def test_a_relay_that_stopped_is_replaced(
         return choice.overlap.device
 
     def indexed(tokens: list[int], blocks: int) -> None:
-        deadline = time.monotonic() + 10
-        while asyncio.run(overlap("probe", tokens)) != blocks:
-            assert time.monotonic() < deadline, f"Dynamo never indexed {blocks} blocks"
-            time.sleep(0.05)
+        wait_until(
+            lambda: asyncio.run(overlap("probe", tokens)) == blocks,
+            lambda: time.sleep(0.05),
+            lambda: f"Dynamo never indexed {blocks} blocks",
+            timeout=10,
+        )
 
     try:
         routing.sync({"ra": ray_llm_stats(a)}, complete=True).result(10)
@@ -280,10 +276,7 @@ def test_a_relay_that_stopped_is_replaced(
         broken(relay)
         assert not hop.needs_resync()  # within the replica's back-off
         assert routing.resync_failed_relays() is None
-        deadline = time.monotonic() + RELAY_RETRY_S + 5
-        while not hop.needs_resync():
-            assert time.monotonic() < deadline, "the back-off never ended"
-            time.sleep(0.05)
+        wait_until(hop.needs_resync, lambda: time.sleep(0.05), timeout=RELAY_RETRY_S + 5)
         routing.resync_failed_relays().result(10)
         assert (hop.started, hop.closed, hop.failed) == (3, 2, 2)
         indexed(OTHER, 4)

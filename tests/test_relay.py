@@ -33,6 +33,7 @@ import msgspec
 import pytest
 import zmq
 from support.ipv6 import requires_ipv6
+from support.relay_faults import fault, inject_step_fault, stopped
 from support.relay_process import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
 from support.selection_harness import Overlap, SelectionHarness
 
@@ -854,17 +855,9 @@ def test_a_relay_whose_thread_stops_on_an_error_keeps_it() -> None:
     base = free_port_range(1)
     relay = Relay([Source(f"tcp://127.0.0.1:{base}")], block_size=BLOCK_SIZE, context=ctx)
     assert relay.failure is None
-
-    def fault(timeout_ms: int = 100) -> int:
-        raise RuntimeError("injected fault")
-
-    relay.step = fault  # type: ignore[method-assign]
+    inject_step_fault(relay)
     relay.start()
-    deadline = time.monotonic() + 5
-    while relay.failure is None:
-        assert time.monotonic() < deadline, "the relay's thread never stopped"
-        time.sleep(0.01)
-    assert repr(relay.failure) == "RuntimeError('injected fault')"
+    assert repr(stopped(relay).failure) == "RuntimeError('injected fault')"
     relay.close()
     ctx.term()
 
@@ -883,10 +876,6 @@ def test_a_relay_whose_replay_thread_stops_on_an_error_says_so() -> None:
         publish_replay=f"tcp://127.0.0.1:{base + 2}",
         context=ctx,
     ) as relay:
-
-        def fault(timeout_ms: int) -> None:
-            raise RuntimeError("injected fault")
-
         assert relay._replays is not None
         for replays in relay._replays._sockets.values():
             replays.serve = fault  # type: ignore[method-assign]
@@ -894,10 +883,6 @@ def test_a_relay_whose_replay_thread_stops_on_an_error_says_so() -> None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{base + 2}")
         dealer.send_multipart(request_frames(0))
-        deadline = time.monotonic() + 5
-        while relay.failure is None:
-            assert time.monotonic() < deadline, "the replay thread never stopped"
-            time.sleep(0.01)
-        assert repr(relay.failure) == "RuntimeError('injected fault')"
+        assert repr(stopped(relay).failure) == "RuntimeError('injected fault')"
         dealer.close(linger=0)
     ctx.term()

@@ -50,11 +50,10 @@ from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, should_bind
 from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
 
-__all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_HWM", "MAX_SEQ", "Publisher"]
+__all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_SEQ", "Publisher"]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
-
 
 MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
 """The most batches a replay buffer may hold: the replay socket's high-water mark has room for

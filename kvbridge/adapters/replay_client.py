@@ -40,6 +40,7 @@ from typing import Final, TypeAlias, TypeVar
 
 import zmq
 
+from kvbridge._backoff import doubling_backoff_s
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
@@ -330,8 +331,7 @@ class ReplayClient:
         """Skip the replays of ``stream`` for a while after a timeout (see the module's
         "back-off")."""
         stream.replay_failures += 1
-        doublings = min(stream.replay_failures - 1, 16)  # past the cap: no larger powers
-        backoff = min(REPLAY_BACKOFF_MAX_S, self.timeout * 2**doublings)
+        backoff = doubling_backoff_s(self.timeout, stream.replay_failures, REPLAY_BACKOFF_MAX_S)
         stream.replay_resumes_at = time.monotonic() + backoff
         endpoint = stream.source.replay_endpoint
         self.warn(

@@ -10,8 +10,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvbridge.adapters.endpoints import Endpoint, EndpointError, parse_endpoint, tcp_address
-from kvbridge.adapters.publisher import MAX_BUFFER_STEPS, MAX_HWM
+from kvbridge.adapters.endpoints import (
+    MAX_HWM,
+    Endpoint,
+    EndpointError,
+    parse_endpoint,
+    tcp_address,
+)
+from kvbridge.adapters.publisher import MAX_BUFFER_STEPS
 from kvbridge.adapters.subscriber import MAX_FRAME_BYTES, MIN_REPLAY_TIMEOUT_S
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 

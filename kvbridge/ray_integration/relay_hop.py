@@ -18,6 +18,7 @@ from typing import Any, Final, cast
 
 import structlog
 
+from kvbridge._backoff import doubling_backoff_s
 from kvbridge.adapters.endpoints import tcp_address
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
@@ -76,10 +77,9 @@ class RelayHop:
         self.closed = 0
         self.failed = 0
         """Relays found stopped on an error: each is closed, and its replica relayed anew."""
-        self._failures: dict[str, int] = {}
-        """Relays of each replica replaced after a failure."""
-        self._retry_at: dict[str, float] = {}
-        """When each replica's next failed relay may be replaced (``time.monotonic()``)."""
+        self._failures: dict[str, tuple[int, float]] = {}
+        """Per replica, its relays replaced after a failure, and when the next failed one may
+        be replaced (``time.monotonic()``)."""
 
     def translate(
         self, replicas: Mapping[str, Mapping[str, Any] | None], *, complete: bool
@@ -109,7 +109,7 @@ class RelayHop:
                         del self._seen[replica_id]
                     for replica_id in [r for r in self._relayed if r not in replicas]:
                         stale.append(self._relayed.pop(replica_id).relay)
-                        self._forget_failures(replica_id)
+                        self._failures.pop(replica_id, None)
         finally:
             self._close(stale)
         return out
@@ -122,7 +122,8 @@ class RelayHop:
             return any(self._replaceable(r, relayed, now) for r, relayed in self._relayed.items())
 
     def _replaceable(self, replica_id: str, relayed: _Relayed, now: float) -> bool:
-        return relayed.relay.failure is not None and now >= self._retry_at.get(replica_id, 0.0)
+        _, retry_at = self._failures.get(replica_id, (0, 0.0))
+        return relayed.relay.failure is not None and now >= retry_at
 
     def _drop_failed(self, stale: list[Relay]) -> None:
         """Take out the relays that stopped on an error, so that their replicas are relayed
@@ -135,9 +136,9 @@ class RelayHop:
         for replica_id, relayed in list(self._relayed.items()):
             if not self._replaceable(replica_id, relayed, now):
                 continue
-            failures = self._failures[replica_id] = self._failures.get(replica_id, 0) + 1
-            wait = RELAY_RETRY_S * 2 ** min(failures - 1, 16)
-            self._retry_at[replica_id] = now + min(RELAY_RETRY_MAX_S, wait)
+            failures = self._failures.get(replica_id, (0, 0.0))[0] + 1
+            wait = doubling_backoff_s(RELAY_RETRY_S, failures, RELAY_RETRY_MAX_S)
+            self._failures[replica_id] = (failures, now + wait)
             self.failed += 1
             log.warning(
                 "relay stopped, replaced", replica=replica_id, exc_info=relayed.relay.failure
@@ -145,16 +146,12 @@ class RelayHop:
             stale.append(self._relayed.pop(replica_id).relay)
             self._seen.pop(replica_id, None)
 
-    def _forget_failures(self, replica_id: str) -> None:
-        self._failures.pop(replica_id, None)
-        self._retry_at.pop(replica_id, None)
-
     def forget(self, replica_id: str) -> None:
         """Close the relay of a replica that died."""
         with self._lock:
             self._seen.pop(replica_id, None)
             relayed = self._relayed.pop(replica_id, None)
-            self._forget_failures(replica_id)
+            self._failures.pop(replica_id, None)
         self._close([] if relayed is None else [relayed.relay])
 
     def endpoints(self, replica_id: str) -> KVEventsAdvert | None:
@@ -176,7 +173,6 @@ class RelayHop:
             self._relayed.clear()
             self._seen.clear()
             self._failures.clear()
-            self._retry_at.clear()
         self._close(relays)
 
     def _translate(

@@ -103,7 +103,7 @@ class KVEventsReplica:
         """Serve calls this every ``health_check_period_s``. A replica whose relay stopped on
         an error is unhealthy, so that Serve replaces it, rather than the router's Dynamo
         indexing a stream that no longer moves. A deployment that defines its own
-        ``check_health`` calls this one too."""
+        ``check_health`` must call this one too: Serve calls only the one it finds."""
         failure = self.kv_relay.failure
         if failure is not None:
             raise RuntimeError(f"the KV-event relay stopped: {failure!r}") from failure

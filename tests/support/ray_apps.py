@@ -29,6 +29,7 @@ from kvbridge.ray_integration import (
 )
 from kvbridge.testing import SimulatedEngine
 from support.ray_start import init_ray
+from support.relay_faults import inject_step_fault
 
 __all__ = [
     "RouterProcess",
@@ -203,11 +204,7 @@ class SimulatedReplica(KVEventsReplica):
 
     def inject_relay_fault(self) -> None:
         """A test double of a bug in the relay: its next step raises, which ends its thread."""
-
-        def fault(timeout_ms: int = 100) -> int:
-            raise RuntimeError("injected fault")
-
-        self.kv_relay.step = fault  # type: ignore[method-assign]
+        inject_step_fault(self.kv_relay)
 
     def _wait_relayed(self, published: int, timeout_s: float = 5.0) -> None:
         """Waits (at most ``timeout_s``) until the relay has taken in every batch the engines
