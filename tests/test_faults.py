@@ -216,6 +216,25 @@ def test_engine_restart_as_a_new_process(rig: Rig) -> None:
     assert rig.metric("kvbridge_gaps_total") == 0
 
 
+def test_engine_restart_that_stays_idle(rig: Rig) -> None:
+    """The engine process is replaced and the new one publishes nothing. Once the relay's SUB
+    is connected to it, the relay checks the publisher without waiting for a batch (the new
+    process's replay of the old last seq is empty), clears the worker downstream, and Dynamo
+    holds none of the old engine's blocks."""
+    rig.start_relay()
+    rig.start_dynamo()
+    rig.use(PROMPTS[:20])
+    rig.converge()
+    assert sum(map(rig.truth, PROMPTS)) > 0
+    rig.engine.close()
+    rig.engine = rig.new_engine()
+    assert sum(map(rig.truth, PROMPTS)) == 0
+    rig.converge()
+    assert rig.metric("kvbridge_restarts_total") == 1
+    assert rig.metric("kvbridge_reconnect_checks_total") >= 1
+    assert rig.metric("kvbridge_lost_batches_total") == 0
+
+
 def test_engine_restart_whose_sequence_passed_the_old_last(rig: Rig) -> None:
     """The relay is frozen (SIGSTOP) while the engine is replaced, and the new process
     publishes more batches than the old one did before the relay can reconnect: its sequence

@@ -11,9 +11,10 @@ message it reads comes here with its source's
 - **restart** (the sequence goes backwards, outside a window just covered by a replay): a
   :class:`StreamReset`, then the stream starts over;
 - **duplicate**: a live copy of a batch a replay already delivered is skipped;
-- **after a reconnect**, a message that continues the sequence checks the publisher first
-  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`): a new process is a
-  restart, whatever its sequence numbers say;
+- **after a reconnect**, the publisher is checked
+  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`) as soon as the SUB
+  is connected again (:meth:`Sequencer.catch_up`), or by a message that continues the
+  sequence before that: a new process is a restart, whatever its sequence numbers say;
 - **sequence jumps**: a forward jump of more than ``max_gap`` is bad input (``seq_jump``),
   skipped, not a replay of 10**22 batches. If the next message continues from the jump, the
   stream did move there: it is *resynchronized* (``resyncs``), a :class:`StreamReset`
@@ -139,6 +140,44 @@ class Sequencer:
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
 
+    def _restarted(self, stream: StreamState, seq: int | None) -> StreamReset:
+        """The ``"restart"`` reset of a stream whose publisher is a new process, counted and
+        logged; the stream starts afresh. The caller has checked the token."""
+        self.stats.restarts += 1
+        endpoint = stream.source.endpoint
+        self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=stream.last)
+        stream.last = None
+        stream.live_last = stream.replayed_through = -1
+        return stream.reset("restart")
+
+    def catch_up(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
+        """What a drop cost ``stream``, once its SUB is connected again, without waiting for
+        its next message: the batches the old socket held or missed, or a restart.
+
+        The publisher is checked (as for a message after a reconnect): the same process's
+        batches after the last are taken from the check's answer (a hole in it is a loss); a
+        new process, or a check that came to nothing, is a restart and is replayed from 0.
+        Without this, an engine that went idle after the drop (or a restarted one that has
+        sent nothing yet) would leave its worker's blocks stale downstream until it sent
+        again. Nothing to do if the stream's next message got there first, or if there is no
+        batch to continue or replay endpoint to ask."""
+        last = stream.last
+        if not stream.reconnected or stream.suspended or stream.starting_over or last is None:
+            return []
+        if not stream.source.replay_endpoint:
+            return []
+        stream.reconnected = False
+        same, answer = yield from self.replay.check_publisher(stream, last)
+        if same:
+            return (yield from self.replay.recover(stream, last + 1, None, answer))
+        if same is False:
+            stream.end_replay_back_off()
+        if not stream.may_clear():
+            stream.suspend(self.warn, "restart", resume_from=0)
+            return []
+        reset = self._restarted(stream, None)
+        return [reset, *(yield from self.replay.recover(stream, 0, None))]
+
     def receive(
         self, stream: StreamState, frames: list[bytes]
     ) -> list[Message | StreamReset] | Replaying[list[Message | StreamReset]]:
@@ -195,11 +234,8 @@ class Sequencer:
             if not stream.may_clear():
                 self._suspend(stream, seq, resume_from=0)  # a new process: its batches from 0
                 return out
-            self.stats.restarts += 1
-            self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=last)
-            out.append(stream.reset("restart"))
-            stream.last, last = None, None
-            stream.live_last = stream.replayed_through = -1
+            out.append(self._restarted(stream, seq))
+            last = None
         expected = 0 if last is None else last + 1
         if seq > expected:
             if last is not None and seq - expected > self.max_gap:

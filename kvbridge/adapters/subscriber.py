@@ -12,20 +12,22 @@ frames) is decided by :class:`~kvbridge.adapters.sequencing.Sequencer`; the subs
 handles the sockets:
 
 - **reconnects**: a SUB socket's connection that drops (the engine exited, a frame ZMQ refused,
-  ZMTP heartbeats unanswered for :data:`HEARTBEAT_TIMEOUT_MS`) is seen by a socket monitor
-  (``disconnects``). The engine may have been replaced by a new process whose sequence has
-  already passed the old last, which the sequence numbers alone cannot show. So the first
-  message after a drop that continues the sequence checks the publisher (``reconnect_checks``,
-  :meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`): the same process goes
-  on, a new one is a restart (``restarts``). Consistency comes before stale hits. (A stream
-  that starts over after a suspension has nothing to continue, and checks nothing.) A drop
-  also ends the source's replay back-off (see :mod:`~kvbridge.adapters.replay_client`).
+  ZMTP heartbeats unanswered) is seen by a socket monitor (``disconnects``, see
+  :mod:`~kvbridge.adapters.sub_socket`). The engine may have been replaced by a new process
+  whose sequence has already passed the old last, which the sequence numbers alone cannot
+  show. So the publisher is checked (``reconnect_checks``,
+  :meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`) as soon as the SUB is
+  connected again (the handshake, seen by the same monitor), without waiting for a batch that
+  an idle engine may not send: the same process's batches that the drop cost are replayed, a
+  new one is a restart (``restarts``), see
+  :meth:`~kvbridge.adapters.sequencing.Sequencer.catch_up`. (A message that gets there first
+  checks it instead.) Consistency comes before stale hits. A drop also ends the source's
+  replay back-off.
 - **replays**: a stream that waits for a replay is not read until the answer is in (or timed
-  out), and every other source is read meanwhile (see
-  :mod:`~kvbridge.adapters.replays_in_flight`; ``max_replays`` answers at a time
-  [:data:`~kvbridge.adapters.replays_in_flight.DEFAULT_MAX_REPLAYS`]). With
-  ``replay_on_start``, each source with a replay endpoint is asked for everything from 0
-  before any of its live messages, so that the batches of an engine gone idle arrive too.
+  out); the others are read meanwhile (:mod:`~kvbridge.adapters.replays_in_flight`,
+  ``max_replays`` answers at a time). With ``replay_on_start``, each source with a replay
+  endpoint is asked for everything from 0 before any of its live messages, so that the
+  batches of an engine gone idle arrive too.
 
 Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
 
@@ -37,17 +39,14 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
 - **frame size refused by ZMQ**: ``MAXMSGSIZE`` on the SUB and DEALER sockets is
   ``max_frame_bytes`` plus :data:`MAXMSGSIZE_MARGIN`. A frame a little over ``max_frame_bytes``
   is received and counted ``oversized``; a larger one is refused by ZMQ as its size header
-  arrives, before any of it is buffered. ZMQ then drops the connection and, after that
-  protocol error, does not reconnect by itself: the subscriber watches each SUB socket (a
-  socket monitor), counts ``disconnects`` and reconnects. What was sent meanwhile shows up as
-  a gap.
+  arrives, before any of it is buffered. ZMQ then drops the connection and does not reconnect
+  after that protocol error; the subscriber does (see "reconnects").
 - **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB, and on a
   replay DEALER room for a whole answer (``replay_max_messages`` + 1). Under a flood, ZMQ sheds
   what does not fit (the engine's PUB drops it); the shed batches are gaps, replayed or lost.
-- **replay answers**: bounded in batches and bytes (see
-  :mod:`~kvbridge.adapters.replay_client`).
-- **sequence jumps**: a forward jump of more than ``max_gap`` [:data:`DEFAULT_MAX_GAP`] is bad
-  input, not a replay of 10**22 batches (see :mod:`~kvbridge.adapters.sequencing`).
+- **replay answers** are bounded in batches and bytes (:mod:`~kvbridge.adapters.replay_client`);
+  a forward **sequence jump** of more than ``max_gap`` [:data:`DEFAULT_MAX_GAP`] is bad input,
+  not a replay of 10**22 batches (:mod:`~kvbridge.adapters.sequencing`).
 - **clears**: every :class:`StreamReset` takes a token from its source's bucket
   (``clear_burst`` [:data:`DEFAULT_CLEAR_BURST`], one more per ``clear_interval`` s
   [:data:`DEFAULT_CLEAR_INTERVAL_S`], see :mod:`~kvbridge.adapters.stream_state`); a stream
@@ -81,6 +80,7 @@ from kvbridge.adapters.sequencing import Sequencer
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import SubscriberStats
+from kvbridge.adapters.sub_socket import WATCHED, open_sub, read_events, recv_frames
 
 __all__ = [
     "DEFAULT_CLEAR_BURST",
@@ -114,29 +114,7 @@ DEFAULT_REPLAY_TIMEOUT_S: Final = 2.0
 MIN_REPLAY_TIMEOUT_S: Final = 0.001
 """ZMQ waits in whole milliseconds; a shorter timeout would also keep the back-off after
 timeouts (which doubles from the timeout) from reaching its cap."""
-HEARTBEAT_IVL_MS: Final = 2000
-HEARTBEAT_TIMEOUT_MS: Final = 6000
-"""ZMTP pings on every SUB: a publisher that stops answering (its host gone, no FIN) is
-dropped after this, and the drop is handled as any other (see the module's "reconnects")."""
-
-_NOBLOCK: Final = int(zmq.NOBLOCK)
-
 log = structlog.get_logger("kvbridge.zmq")
-
-
-def _recv_frames(socket: zmq.Socket[bytes]) -> list[bytes] | None:
-    """``socket.recv_multipart(zmq.NOBLOCK)``, or ``None`` if no message waits, in half the
-    time: pyzmq's version asks for ``RCVMORE`` with a ``getsockopt`` per frame, where a
-    frame knows it (``Frame.more``); the bytes are the same copies."""
-    try:
-        frame = socket.recv(_NOBLOCK, copy=False)
-    except zmq.Again:
-        return None
-    frames = [frame.bytes]
-    while frame.more:  # the rest of a multipart message is already there: no Again
-        frame = socket.recv(_NOBLOCK, copy=False)
-        frames.append(frame.bytes)
-    return frames
 
 
 class Subscriber(ClosedOnExit):
@@ -216,6 +194,8 @@ class Subscriber(ClosedOnExit):
         """The same streams by source (a stream keeps its source when its socket is replaced)."""
         self._monitors: dict[zmq.Socket[bytes], StreamState] = {}
         self._order: dict[zmq.Socket[bytes], int] = {}
+        self._catching_up: dict[StreamState, None] = {}
+        """Streams connected again after a drop, whose catch-up waits for their replay."""
         self._next_first = 0
         """Where the next poll starts its round-robin (the source after the last served)."""
         self._monitor = monitor
@@ -261,20 +241,13 @@ class Subscriber(ClosedOnExit):
         return self.max_frame_bytes + MAXMSGSIZE_MARGIN
 
     def _open(self, source: Source) -> zmq.Socket[bytes]:
-        socket = self.context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        socket.setsockopt(zmq.MAXMSGSIZE, self._maxmsgsize)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-        return socket
+        return open_sub(self.context, source.topic, rcvhwm=self.rcvhwm, maxmsgsize=self._maxmsgsize)
 
     def _attach(self, stream: StreamState) -> None:
         """Monitor (if it connects), bind or connect and poll ``stream.socket``."""
         source, socket = stream.source, stream.socket
         if self._monitor:
-            stream.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            stream.monitor = socket.get_monitor_socket(WATCHED)
             self._monitors[stream.monitor] = stream
             self._poller.register(stream.monitor, zmq.POLLIN)
         allow_ipv6(socket, source.endpoint)
@@ -321,8 +294,11 @@ class Subscriber(ClosedOnExit):
         for socket, _ in events:
             monitored = self._monitors.get(socket)
             if monitored is not None:
-                self._disconnected(monitored)
+                self._monitored(monitored)
         replays.read({socket for socket, _ in events}, out)
+        for stream in [s for s in self._catching_up if not replays.waiting(s)]:
+            del self._catching_up[stream]
+            replays.run(stream, self._sequencer.catch_up(stream), out)
         # A SUB that dropped was replaced (closed) above: what it held is a gap of the new
         # socket's stream. A stream that waits for a replay is read once the answer is in.
         streams = self._streams
@@ -342,7 +318,7 @@ class Subscriber(ClosedOnExit):
                 stream = streams[socket]
                 quota = min(POLL_ROUND, self.source_budget - taken[socket], budget)
                 read, waits = 0, False
-                while read < quota and (frames := _recv_frames(socket)) is not None:
+                while read < quota and (frames := recv_frames(socket)) is not None:
                     read += 1
                     items = receive(stream, frames)
                     if isinstance(items, list):
@@ -365,19 +341,23 @@ class Subscriber(ClosedOnExit):
         self._next_first = (order[last_served] + resume) % count
         return out
 
+    def _monitored(self, stream: StreamState) -> None:
+        """``stream``'s drops, then a handshake after them (a reopened SUB's comes on its new
+        monitor), which starts its catch-up."""
+        assert stream.monitor is not None
+        drops, connected = read_events(stream.monitor)
+        if drops:
+            self.stats.disconnects += drops
+            self._catching_up.pop(stream, None)  # connected before the drop
+            self._disconnected(stream)
+        if connected and not (drops and stream.address is not None):
+            self._catching_up[stream] = None
+
     def _disconnected(self, stream: StreamState) -> None:
-        """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (it does not reconnect after
-        that), the engine went away, or its heartbeats stopped. A connecting SUB is reopened (a
-        bound one is reconnected by its peer); either way the publisher is checked before its
-        next message (see the module's "reconnects"), if a batch came or a replay may bring one."""
-        monitor = stream.monitor
-        assert monitor is not None
-        while True:
-            try:
-                monitor.recv_multipart(_NOBLOCK)
-            except zmq.Again:
-                break
-            self.stats.disconnects += 1
+        """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (after which it does not
+        reconnect), the engine went away, or its heartbeats stopped. A connecting SUB is
+        reopened (a bound one is reconnected by its peer); the publisher is to be checked (see
+        the module's "reconnects") if a batch came or a replay may bring one."""
         stream.reconnected = stream.last is not None or self._replays.waiting(stream)
         stream.end_replay_back_off()
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
@@ -392,6 +372,7 @@ class Subscriber(ClosedOnExit):
 
     def close(self) -> None:
         self._replays.close()
+        self._catching_up.clear()
         for stream in list(self._streams.values()):
             self._detach(stream)
             self.replay_client.close_dealer(stream)
