@@ -268,6 +268,7 @@ def test_a_relay_that_stopped_is_replaced(
         relay = hop.relay("ra")
         assert relay is not None and relay is not first and relay.failure is None
         assert (hop.started, hop.closed, hop.failed) == (2, 1, 1)
+        assert state.stats.relays_replaced == 1  # and Ray's metric
         assert state.stats.registry.registered == 2  # the new advert registered again
         a.generate(OTHER)
         indexed(PROMPT, 6)  # through the new relay's replay from 0
@@ -279,6 +280,7 @@ def test_a_relay_that_stopped_is_replaced(
         wait_until(hop.needs_resync, lambda: time.sleep(0.05), timeout=RELAY_RETRY_S + 5)
         routing.resync_failed_relays().result(10)
         assert (hop.started, hop.closed, hop.failed) == (3, 2, 2)
+        assert state.stats.relays_replaced == 2  # and Ray's metric
         indexed(OTHER, 4)
     finally:
         hop.close()

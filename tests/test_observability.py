@@ -138,6 +138,7 @@ def test_router_metrics_as_ray_exports_them() -> None:
         "ray_kvbridge_router_overlap_blocks_sum": {"deployment", "tier"},
         "ray_kvbridge_router_overlap_blocks_count": {"deployment", "tier"},
         "ray_kvbridge_router_token_checks_total": {"deployment", "outcome"},
+        "ray_kvbridge_router_relays_replaced_total": {"deployment"},
     }
 
 

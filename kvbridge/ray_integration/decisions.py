@@ -119,3 +119,7 @@ class RouterStats:
     that diverge midway), ``unconfirmed`` (none: the router's token ids are not the engine's,
     so every decision for such prompts finds zero hits). Prompts without a full block are not
     checked."""
+    relays_replaced: int = 0
+    """Router-side relays (a Ray Serve LLM replica's raw stream relayed in the router's
+    process) found stopped on an error and replaced: a bug, since no input is known to do it;
+    the logs have each one's traceback."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, cast
 
 import structlog
@@ -64,10 +64,15 @@ class RelayHop:
 
     Args:
         host: the address the relays publish on (loopback by default).
+        on_replaced: called for each relay found stopped on an error and replaced (the
+            router's count and metric).
     """
 
-    def __init__(self, host: str = RELAY_HOST) -> None:
+    def __init__(
+        self, host: str = RELAY_HOST, *, on_replaced: Callable[[], None] | None = None
+    ) -> None:
         self.host = host
+        self._on_replaced = on_replaced
         self._lock = threading.Lock()
         self._relayed: dict[str, _Relayed] = {}
         self._seen: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
@@ -140,6 +145,8 @@ class RelayHop:
             wait = doubling_backoff_s(RELAY_RETRY_S, failures, RELAY_RETRY_MAX_S)
             self._failures[replica_id] = (failures, now + wait)
             self.failed += 1
+            if self._on_replaced is not None:
+                self._on_replaced()
             log.warning(
                 "relay stopped, replaced", replica=replica_id, exc_info=relayed.relay.failure
             )
@@ -257,4 +264,6 @@ def relay_hop(state: RoutingState) -> RelayHop:
     the router's module by value, which copies its globals.
     """
     # Another copy of this module may have made it: the same class by value, not by identity.
-    return cast(RelayHop, state.attached(HOP_KEY, RelayHop))
+    return cast(
+        RelayHop, state.attached(HOP_KEY, lambda: RelayHop(on_replaced=state.relay_replaced))
+    )

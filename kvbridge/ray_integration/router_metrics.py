@@ -12,6 +12,9 @@
 ``kvbridge_router_token_checks_total{outcome}``
     Completed requests whose prompt the engine reported storing as the router tokenized it:
     ``confirmed``, ``partial`` or ``unconfirmed`` (see ``RouterStats.token_checks``).
+``kvbridge_router_relays_replaced_total``
+    Router-side relays (Ray Serve LLM's raw streams, see ``relay_hop``) found stopped on an
+    error and replaced (see ``RouterStats.relays_replaced``).
 
 Every series carries a ``deployment`` tag (``app#deployment``).
 """
@@ -62,18 +65,28 @@ class RouterMetrics:
             "Completed requests by whether the engine stored the prompt as the router hashed it.",
             tag_keys=("deployment", "outcome"),
         )
+        self._relays_replaced = Counter(
+            "kvbridge_router_relays_replaced_total",
+            "Router-side relays found stopped on an error and replaced.",
+            tag_keys=("deployment",),
+        )
         for metric in (
             self._decisions,
             self._fallbacks,
             self._latency,
             self._overlap,
             self._token_checks,
+            self._relays_replaced,
         ):
             metric.set_default_tags(tags)
 
     def record_token_check(self, outcome: str) -> None:
         """One completed request's check: ``confirmed``, ``partial`` or ``unconfirmed``."""
         self._token_checks.inc(tags={"outcome": outcome})
+
+    def record_relay_replaced(self) -> None:
+        """A router-side relay that stopped on an error, replaced."""
+        self._relays_replaced.inc()
 
     def record(self, overlap: Overlap | None, fallback: str | None, latency_s: float) -> None:
         """One decision: Dynamo's (with the pick's ``overlap``) or a ``fallback`` by reason."""

@@ -121,6 +121,12 @@ class RoutingState:
                 self._attached[key] = make()
             return self._attached[key]
 
+    def relay_replaced(self) -> None:
+        """Count a router-side relay that stopped on an error and was replaced
+        (:attr:`RouterStats.relays_replaced`, and Ray's metric)."""
+        self.stats.relays_replaced += 1
+        self.metrics.record_relay_replaced()
+
     def attachment(self, key: str) -> Any | None:
         """What :meth:`attached` keeps under ``key``, if anything made it yet."""
         with self._lock:
