@@ -1205,3 +1205,22 @@ def test_replay_timeout_and_clear_interval_are_checked(
     with pytest.raises(ValueError) as raised:
         Subscriber([], context=ctx, **options)
     assert str(raised.value) == message.format(max=threading.TIMEOUT_MAX)
+
+
+@pytest.mark.parametrize("worker_id", [1, 2], ids=["same source", "another worker"])
+def test_a_source_given_twice_is_refused(
+    ctx: zmq.Context[zmq.Socket[bytes]], worker_id: int
+) -> None:
+    """Two SUB sockets on one publisher and topic would deliver each batch twice: once per
+    worker, or twice to one. A different topic on the same publisher is another stream."""
+    endpoint = f"tcp://*:{free_port_range(1)}"
+    source = Source(endpoint, worker_id=1)
+    again = Source(endpoint, worker_id=worker_id)
+    with pytest.raises(ValueError) as raised:
+        Subscriber([source, again], context=ctx)
+    assert str(raised.value) == (
+        f"source {endpoint} (topic '') is given twice: each of its batches would be delivered twice"
+    )
+    other_topic = Source(endpoint, worker_id=worker_id, topic="kv@1")
+    with Subscriber([source, other_topic], context=ctx, monitor=False) as subscriber:
+        assert subscriber.sources == [source, other_topic]

@@ -141,6 +141,15 @@ class Subscriber(ClosedOnExit):
     ) -> None:
         if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
             raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
+        sources = list(sources)
+        for index, source in enumerate(sources):
+            if any(
+                s.endpoint == source.endpoint and s.topic == source.topic for s in sources[:index]
+            ):
+                raise ValueError(
+                    f"source {source.endpoint} (topic {source.topic!r}) is given twice: each of "
+                    "its batches would be delivered twice"
+                )
         if max_replays < 1:
             raise ValueError(f"max_replays must be >= 1, got {max_replays}")
         if not MIN_REPLAY_TIMEOUT_S <= replay_timeout <= threading.TIMEOUT_MAX:
@@ -205,7 +214,7 @@ class Subscriber(ClosedOnExit):
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
             )
             self._order[stream.socket] = len(self._streams)
-            self._by_source.setdefault(source, stream)
+            self._by_source[source] = stream
             self._attach(stream)
         starting = self._streams.values() if replay_on_start else ()
         self._starting = [stream for stream in starting if stream.source.replay_endpoint]
