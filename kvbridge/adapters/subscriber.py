@@ -142,14 +142,10 @@ class Subscriber(ClosedOnExit):
         if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
             raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
         sources = list(sources)
-        for index, source in enumerate(sources):
-            if any(
-                s.endpoint == source.endpoint and s.topic == source.topic for s in sources[:index]
-            ):
-                raise ValueError(
-                    f"source {source.endpoint} (topic {source.topic!r}) is given twice: each of "
-                    "its batches would be delivered twice"
-                )
+        keys = [(source.endpoint, source.topic) for source in sources]
+        for index, (endpoint, topic) in enumerate(keys):
+            if (endpoint, topic) in keys[:index]:  # its batches would come twice
+                raise ValueError(f"source {endpoint} (topic {topic!r}) is given twice")
         if max_replays < 1:
             raise ValueError(f"max_replays must be >= 1, got {max_replays}")
         if not MIN_REPLAY_TIMEOUT_S <= replay_timeout <= threading.TIMEOUT_MAX:
@@ -209,6 +205,8 @@ class Subscriber(ClosedOnExit):
         """Where the next poll starts its round-robin (the source after the last served)."""
         self._monitor = monitor
         self._polled_at = time.monotonic()
+        self._taken: list[Message | StreamReset] = []
+        """What a poll that raised had taken, delivered by the next."""
         for source in sources:
             stream = StreamState(
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
@@ -286,16 +284,27 @@ class Subscriber(ClosedOnExit):
         First come the clears of suspended streams whose clear token is back, then what the
         replays that came in complete. Then it reads the ready sources round-robin (see the
         module's "limits"): at most ``source_budget`` messages from one source and
-        ``poll_budget`` in all; the rest waits in ZMQ's queue (up to ``RCVHWM``).
+        ``poll_budget`` in all; the rest waits in ZMQ's queue (up to ``RCVHWM``). An error
+        raised in a poll (a bug: no input is known to cause one) keeps what the poll had taken
+        for the next, since the streams' positions are already past it.
         """
         self._polled_at = time.monotonic()
-        stats, warn = self.stats, self._warn
-        out: list[Message | StreamReset] = [
+        out, self._taken = self._taken, []
+        try:
+            self._read(self._ready(timeout_ms, out), out)
+        except BaseException:
+            self._taken = out
+            raise
+        return out
+
+    def _ready(self, timeout_ms: int, out: list[Message | StreamReset]) -> list[zmq.Socket[bytes]]:
+        """The sources ready to be read, after the clears, monitors and replays (onto ``out``)."""
+        stats, warn, replays = self.stats, self._warn, self._replays
+        out.extend(
             reset
             for stream in self._streams.values()
             if stream.suspended and (reset := stream.release(stats, warn)) is not None
-        ]
-        replays = self._replays
+        )
         for stream in self._starting:
             replays.run(stream, self.replay_client.recover(stream, 0, None), out)
         self._starting = []
@@ -308,12 +317,15 @@ class Subscriber(ClosedOnExit):
         for stream in [s for s in self._catching_up if not replays.waiting(s)]:
             del self._catching_up[stream]
             replays.run(stream, self._sequencer.catch_up(stream), out)
-        # A SUB that dropped was replaced (closed) above: what it held is a gap of the new
-        # socket's stream. A stream that waits for a replay is read once the answer is in.
+        # A dropped SUB's queue is a gap of its new socket; a waiting stream is read later.
         streams = self._streams
-        ready = [s for s, _ in events if s in streams and not replays.waiting(streams[s])]
+        return [s for s, _ in events if s in streams and not replays.waiting(streams[s])]
+
+    def _read(self, ready: list[zmq.Socket[bytes]], out: list[Message | StreamReset]) -> None:
+        """Read the ``ready`` sources round-robin within the budgets, onto ``out``."""
         if not ready:
-            return out
+            return
+        streams, replays = self._streams, self._replays
         order, count = self._order, len(self._order)
         first = self._next_first
         ready.sort(key=lambda socket: (order[socket] - first) % count)
@@ -348,7 +360,6 @@ class Subscriber(ClosedOnExit):
                 last_served, resume = socket, 1
             ready = more
         self._next_first = (order[last_served] + resume) % count
-        return out
 
     def _monitored(self, stream: StreamState) -> None:
         """``stream``'s drops, then a handshake after them (a reopened SUB's comes on its new
