@@ -680,7 +680,7 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
 def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """With one clear allowed a second and that one spent on a loss at the stream's start,
+    """With one clear allowed every 3 s and that one spent on a loss at the stream's start,
     the catch-up after a drop finds a new, idle process (its replay of the old last is empty):
     the stream is suspended, not cleared at once, and its clear goes out when the token is
     back, although nothing more is published (a resync, not a restart counted live)."""
@@ -689,7 +689,7 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
 
     engine = engine_on(ctx, base, buffer_steps=2)
     first = engine()
-    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=1.0) as subscriber:
+    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=3.0) as subscriber:
         stats = subscriber.stats
         for _ in range(5):
             first.publish(VALID, send=False)
@@ -1256,3 +1256,64 @@ def test_what_a_poll_that_raised_had_taken_comes_with_the_next(
         stats = deepcopy(subscriber.stats)
     assert shape(items) == [(0, False), (1, False), (2, True), (3, True)]
     assert stats == SubscriberStats(messages=3, gaps=1, replays=1, replayed=2, duplicates=1)
+
+
+def test_a_bound_subscriber_checks_each_new_peer(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A bound SUB keeps what its peer had sent before it dropped, and reading it checks that
+    peer (its replay socket is gone with it: unanswered, a restart). A new, idle process that
+    connects next is checked too, once its handshake is in: its empty replay shows a new
+    process, and the worker is cleared again without a batch from it."""
+    port = free_port_range(2)
+    source = Source(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 1)
+    assert source.subscriber_binds
+
+    def engine() -> Publisher:
+        made = Publisher(
+            source.endpoint, bind=False, replay_endpoint=source.replay_endpoint, context=ctx
+        )
+        made.start_replay_thread()
+        return made
+
+    with Subscriber([source], context=ctx, replay_timeout=0.3) as subscriber:
+        stats = subscriber.stats
+        first = engine()
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        items = poll_until(subscriber, lambda: not subscriber.poll(20), timeout=1)
+        for _ in range(5):
+            first.publish(VALID)
+        items += receive(subscriber, 5)
+        for _ in range(3):
+            first.publish(VALID)  # 5-7: queued on the SUB when the peer goes
+        time.sleep(0.2)
+        first.close()
+        time.sleep(0.2)  # the drop is seen before they are read
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 7)
+        time.sleep(0.4)  # past the back-off of the unanswered check
+        with bound_again(engine) as second:
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+
+            def step() -> None:
+                items.extend(subscriber.poll(20))
+
+            wait_until(lambda: shape(items).count(("restart", 0)) == 2, step, lambda: stats)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        *((seq, False) for seq in range(5)),
+        ("restart", 0),
+        ("lost", 5),
+        (5, False),
+        (6, False),
+        (7, False),
+        ("restart", 0),
+    ]
+    assert final == SubscriberStats(
+        messages=8,
+        disconnects=1,
+        reconnect_checks=2,
+        replays=3,
+        replay_timeouts=1,
+        replays_skipped=1,
+        restarts=2,
+        lost=5,
+    )

@@ -156,7 +156,8 @@ class Sequencer:
 
         The publisher is checked (as for a message after a reconnect): the same process's
         batches after the last are taken from the check's answer (a hole in it is a loss); a
-        new process, or a check that came to nothing, is a restart and is replayed from 0.
+        new process, or a check that came to nothing, is a restart and is replayed from 0 (not
+        asked for, after a check that timed out: within the back-off that began).
         Without this, an engine that went idle after the drop (or a restarted one that has
         sent nothing yet) would leave its worker's blocks stale downstream until it sent
         again. Nothing to do if the stream's next message got there first, or if there is no

@@ -199,14 +199,12 @@ class Subscriber(ClosedOnExit):
         """The same streams by source (a stream keeps its source when its socket is replaced)."""
         self._monitors: dict[zmq.Socket[bytes], StreamState] = {}
         self._order: dict[zmq.Socket[bytes], int] = {}
-        self._catching_up: dict[StreamState, None] = {}
-        """Streams connected again after a drop, whose catch-up waits for their replay."""
+        self._catching_up: dict[StreamState, None] = {}  # connected again, to catch up
         self._next_first = 0
         """Where the next poll starts its round-robin (the source after the last served)."""
         self._monitor = monitor
         self._polled_at = time.monotonic()
-        self._taken: list[Message | StreamReset] = []
-        """What a poll that raised had taken, delivered by the next."""
+        self._taken: list[Message | StreamReset] = []  # by a poll that raised, for the next
         for source in sources:
             stream = StreamState(
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
@@ -362,14 +360,16 @@ class Subscriber(ClosedOnExit):
         self._next_first = (order[last_served] + resume) % count
 
     def _monitored(self, stream: StreamState) -> None:
-        """``stream``'s drops, then a handshake after them (a reopened SUB's comes on its new
-        monitor), which starts its catch-up."""
+        """``stream``'s drops, then a handshake after them, which starts its catch-up (a bound
+        SUB's new peer is checked even if reading its old peer's leftovers checked that one)."""
         assert stream.monitor is not None
         drops, connected = read_events(stream.monitor)
         if drops:
             self.stats.disconnects += drops
             self._catching_up.pop(stream, None)  # connected before the drop
             self._disconnected(stream)
+        if connected and stream.address is None:
+            stream.reconnected = stream.reconnected or stream.last is not None
         if connected and not (drops and stream.address is not None):
             self._catching_up[stream] = None
 
