@@ -204,7 +204,7 @@ class Subscriber(ClosedOnExit):
         """Where the next poll starts its round-robin (the source after the last served)."""
         self._monitor = monitor
         self._polled_at = time.monotonic()
-        self._taken: list[Message | StreamReset] = []  # by a poll that raised, for the next
+        self._taken: list[Message | StreamReset] = []  # by a poll that raised
         for source in sources:
             stream = StreamState(
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
@@ -360,18 +360,18 @@ class Subscriber(ClosedOnExit):
         self._next_first = (order[last_served] + resume) % count
 
     def _monitored(self, stream: StreamState) -> None:
-        """``stream``'s drops, then a handshake after them, which starts its catch-up (a bound
-        SUB's new peer is checked even if reading its old peer's leftovers checked that one)."""
+        """``stream``'s drops, then a handshake after them: its catch-up, a bound SUB's too."""
         assert stream.monitor is not None
         drops, connected = read_events(stream.monitor)
         if drops:
             self.stats.disconnects += drops
             self._catching_up.pop(stream, None)  # connected before the drop
             self._disconnected(stream)
-        if connected and stream.address is None:
+        if not connected or (drops and stream.address is not None):
+            return  # no handshake, or the replaced socket's
+        if stream.address is None:  # reading the old peer's leftovers checked that one
             stream.reconnected = stream.reconnected or stream.last is not None
-        if connected and not (drops and stream.address is not None):
-            self._catching_up[stream] = None
+        self._catching_up[stream] = None
 
     def _disconnected(self, stream: StreamState) -> None:
         """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (after which it does not
