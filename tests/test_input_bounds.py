@@ -199,7 +199,9 @@ def test_a_drop_in_the_same_poll_as_its_sockets_messages(
         (
             [b"batch %d" % n for n in range(7)],
             [(5, b"batch 5"), (6, b"batch 6")],
-            SubscriberStats(messages=5, disconnects=1, reconnect_checks=1, replays=1, replayed=2),
+            SubscriberStats(
+                messages=5, disconnects=1, reconnect_checks=1, gaps=1, replays=1, replayed=2
+            ),
         ),
         (
             [b"other %d" % n for n in range(5)],

@@ -155,7 +155,8 @@ class Sequencer:
         its next message: the batches the old socket held or missed, or a restart.
 
         The publisher is checked (as for a message after a reconnect): the same process's
-        batches after the last are taken from the check's answer (a hole in it is a loss); a
+        batches after the last are taken from the check's answer (a gap, counted as a live
+        batch past them would count it; a hole in the answer is a loss); a
         new process, or a check that came to nothing, is a restart and is replayed from 0 (not
         asked for, after a check that timed out: within the back-off that began).
         Without this, an engine that went idle after the drop (or a restarted one that has
@@ -170,6 +171,13 @@ class Sequencer:
         stream.reconnected = False
         same, answer = yield from self.replay.check_publisher(stream, last)
         if same:
+            missed = next((message.seq for message in answer if message.seq > last), None)
+            if missed is not None:  # a gap, as a live batch past it would have shown
+                self.stats.gaps += 1
+                endpoint = stream.source.endpoint
+                self.info(
+                    "gap detected", (endpoint,), stream=endpoint, expected=last + 1, seq=missed
+                )
             return (yield from self.replay.recover(stream, last + 1, None, answer))
         if same is False:
             stream.end_replay_back_off()
