@@ -194,7 +194,7 @@ def test_relay_kill_and_restart_10_cycles(rig: Rig) -> None:
         rig.converge()
         assert rig.metric("kvbridge_lost_batches_total") == 0, cycle
         assert rig.metric("kvbridge_restarts_total") == 0, cycle
-        assert rig.metric("kvbridge_replays_total") == 1, cycle  # the catch-up from 0
+        assert rig.metric("kvbridge_replays_total") == 1, cycle  # the start-up replay from 0
         rig.use(rng.sample(PROMPTS, 4))
         rig.converge()
 

@@ -437,7 +437,7 @@ def test_bad_frames_counted_and_relay_keeps_serving(
     assert blocks_samples(samples, "kvbridge_batches_total") == {("in",): 2, ("out",): 1}
     for name in ("gaps", "lost_batches", "restarts"):
         assert samples["kvbridge_" + name + "_total", frozenset()] == 0, name
-    # One replay: the catch-up from 0 at start, which found nothing to deliver.
+    # One replay: the start-up replay from 0, which found nothing to deliver.
     assert samples["kvbridge_replays_total", frozenset()] == 1
     # The refused frame's tokens were never indexed.
     assert harness.overlap(list(range(80))) == {}
@@ -520,7 +520,7 @@ def test_metrics_after_tiers_drops_gap_and_restart(
     }
     assert counters == {
         "kvbridge_gaps_total": 1,
-        "kvbridge_replays_total": 2,  # the catch-up from 0 at start, then the gap
+        "kvbridge_replays_total": 2,  # the start-up replay from 0, then the gap
         "kvbridge_replayed_batches_total": 2,
         "kvbridge_lost_batches_total": 0,
         "kvbridge_restarts_total": 1,
