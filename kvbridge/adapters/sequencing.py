@@ -21,7 +21,8 @@ message it reads comes here with its source's
   (``"restart"``) and the stream goes on from there;
 - **throttled**: a restart, gap or jump that finds no clear token suspends the stream: every
   message is skipped and counted ``throttled`` until a token is back. Then the clear goes out
-  at once (a resync, :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
+  at once (a restart for a new process, else a resync:
+  :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
   subscriber tries at every poll), and the stream's next message starts it over. Before it come
   the batches the suspension skipped (from the loss, or from 0 for a new process) that the
   replay still holds, as the run that reaches that message

@@ -144,6 +144,20 @@ class StreamState:
         self.tokens -= 1
         return StreamReset(self.source, reason, lost)
 
+    @property
+    def suspended_by_restart(self) -> bool:
+        """Whether the suspension is a new process's (its batches from 0 to be replayed), not
+        a jump's or a loss's."""
+        return self.suspended_for == "restart" and self.resume_from == 0
+
+    def count_start_over(self, stats: SubscriberStats) -> None:
+        """Count the clear that starts the stream over: a restart for a new process whose
+        clear waited for a token, else a resync."""
+        if self.suspended_by_restart:
+            stats.restarts += 1
+        else:
+            stats.resyncs += 1
+
     def resync(
         self,
         stats: SubscriberStats,
@@ -151,10 +165,10 @@ class StreamState:
         seq: int,
         reason: ResetReason = "restart",
     ) -> StreamReset:
-        """The reset that starts the stream over at ``seq``, counted and logged as a resync;
-        the caller has checked :meth:`may_clear`. A ``"lost"`` one is for a stream suspended
-        by a loss (see :attr:`suspended_for`)."""
-        stats.resyncs += 1
+        """The reset that starts the stream over at ``seq``, counted
+        (:meth:`count_start_over`) and logged; the caller has checked :meth:`may_clear`. A
+        ``"lost"`` one is for a stream suspended by a loss (see :attr:`suspended_for`)."""
+        self.count_start_over(stats)
         endpoint = self.source.endpoint
         warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
         return self.reset(reason)
@@ -165,14 +179,15 @@ class StreamState:
         The clear goes out as soon as it is allowed, not with the source's next message: a
         source gone quiet would otherwise leave its worker's blocks from before the
         discontinuity downstream for as long as it stays quiet. Its next message then starts
-        the stream over (:attr:`starting_over`), counted as a resync. The reset is of the kind
-        the suspension was for (:attr:`suspended_for`)."""
+        the stream over (:attr:`starting_over`). The reset is of the kind the suspension was
+        for (:attr:`suspended_for`), and counted as a restart or a resync
+        (:meth:`count_start_over`)."""
         if not (self.suspended and self.may_clear()):
             return None
         self.suspended = False
         self.starting_over = True
         self.jumped_to = None
-        stats.resyncs += 1
+        self.count_start_over(stats)
         endpoint = self.source.endpoint
         warn("clears allowed again, stream cleared", (endpoint,), stream=endpoint, last=self.last)
         return self.reset(self.suspended_for)

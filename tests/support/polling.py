@@ -8,10 +8,23 @@ from collections.abc import Callable
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.subscriber import Subscriber
 
-__all__ = ["TIMEOUT", "poll_until", "receive", "shape", "wait_until"]
+__all__ = [
+    "BOUND_SUB_SETTLE",
+    "TIMEOUT",
+    "poll_for",
+    "poll_until",
+    "receive",
+    "shape",
+    "wait_until",
+]
 
 TIMEOUT = 5.0
 """Seconds a test waits for anything over loopback."""
+
+BOUND_SUB_SETTLE = 0.5
+"""Seconds a bound SUB is polled after a peer's handshake before the peer publishes
+(:func:`poll_for`). With both cores busy, stopping at the first empty poll lost the first
+batches in 6 runs of 15; this lost none in 15."""
 
 
 def receive(subscriber: Subscriber, count: int) -> list[Message | StreamReset]:
@@ -49,6 +62,20 @@ def poll_until(
         items.extend(subscriber.poll(20))
 
     wait_until(done, step, lambda: (shape(items[-20:]), subscriber.stats), timeout=timeout)
+    return items
+
+
+def poll_for(subscriber: Subscriber, seconds: float) -> list[Message | StreamReset]:
+    """Poll for ``seconds``; what came out meanwhile.
+
+    A bound SUB sends its subscription to a new peer only when its thread polls, and the
+    peer's handshake (which :meth:`~kvbridge.adapters.publisher.Publisher.wait_for_subscribers`
+    waits for) can come before that: what the peer publishes before the subscription reaches
+    it is dropped. A PUB cannot tell when it has, so a test polls for a while first."""
+    items: list[Message | StreamReset] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        items.extend(subscriber.poll(20))
     return items
 
 
