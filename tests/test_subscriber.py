@@ -1019,6 +1019,20 @@ def test_a_released_stream_replays_what_its_suspension_skipped_that_the_buffer_h
     assert overlaps(index, prompts) == [{}] * 16 + [{(1, 0): (2, 2, 2)}] * 2
 
 
+def sequenced(subscriber: Subscriber, source: Source, seq: int) -> list[Message | StreamReset]:
+    """The sequencer's items for a valid message ``seq`` of ``source``, taken as if just
+    received, at the time the test chooses; for a source without a replay endpoint, which
+    never waits for an answer."""
+    result = subscriber._sequencer.receive(
+        subscriber._by_source[source], [b"", seq.to_bytes(8, "big"), VALID]
+    )
+    if isinstance(result, list):
+        return list(result)
+    with pytest.raises(StopIteration) as done:
+        next(result)
+    return list(done.value.value)
+
+
 @pytest.mark.parametrize(
     ("seq", "reason", "lost", "counted"),
     [(9, "lost", 7, "resyncs"), (1, "restart", 2, "restarts")],
@@ -1035,27 +1049,45 @@ def test_a_message_that_finds_the_token_back_starts_over_as_its_suspension_was(
     source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
     with Subscriber([source], context=ctx, clear_burst=1, clear_interval=0.2) as subscriber:
         stream = subscriber._by_source[source]
-
-        def receive_frames(stream: StreamState, frames: list[bytes]) -> list[object]:
-            """The sequencer's items for one message (this source has no replay to wait for)."""
-            result = subscriber._sequencer.receive(stream, frames)
-            if isinstance(result, list):
-                return list(result)
-            with pytest.raises(StopIteration) as done:
-                next(result)
-            return list(done.value.value)
-
         items = []
         for sent in (0, 2, 5):  # a loss (one token), then one that finds none
-            items += receive_frames(stream, [b"", sent.to_bytes(8, "big"), VALID])
+            items += sequenced(subscriber, source, sent)
         assert stream.suspended
         time.sleep(0.25)
-        items += receive_frames(stream, [b"", seq.to_bytes(8, "big"), VALID])
+        items += sequenced(subscriber, source, seq)
         stats = deepcopy(subscriber.stats)
     assert shape(items) == [(0, False), ("lost", 1), (2, False), (reason, 0), (seq, False)]
     assert stats == SubscriberStats(
         messages=4, gaps=2, lost=lost, bad_frames=Counter({BadFrame.THROTTLED: 1}), **{counted: 1}
     )
+
+
+def test_a_jump_after_a_throttled_restart_counts_a_resync(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A restart that waited for a token counts a restart when the stream starts over; a jump
+    the stream takes later is a resync, not another restart of what was suspended before."""
+    source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
+    with Subscriber(
+        [source], context=ctx, clear_burst=1, clear_interval=0.2, max_gap=10
+    ) as subscriber:
+        items = [item for seq in (0, 1, 0, 0) for item in sequenced(subscriber, source, seq)]
+        assert subscriber.suspended(source)  # the second restart found no token
+        time.sleep(0.25)
+        items += sequenced(subscriber, source, 1)  # the new process's batch 0 skipped: lost
+        restarted = deepcopy(subscriber.stats)
+        time.sleep(0.25)
+        items += sequenced(subscriber, source, 20)  # a jump
+        items += sequenced(subscriber, source, 21)  # the stream goes on from it
+        stats = deepcopy(subscriber.stats)
+    assert shape(items) == [
+        (0, False), (1, False), ("restart", 0), (0, False), ("restart", 0), (1, False),
+        ("restart", 0), (21, False),
+    ]  # fmt: skip
+    throttled = Counter({BadFrame.THROTTLED: 1})
+    assert restarted == SubscriberStats(messages=5, restarts=2, lost=1, bad_frames=throttled)
+    jumped = throttled | Counter({BadFrame.SEQ_JUMP: 1})
+    assert stats == SubscriberStats(messages=7, restarts=2, lost=1, resyncs=1, bad_frames=jumped)
 
 
 # --------------------------------------------------------------------------- 3. bad frames

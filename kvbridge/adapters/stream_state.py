@@ -147,16 +147,18 @@ class StreamState:
     @property
     def suspended_by_restart(self) -> bool:
         """Whether the suspension is a new process's (its batches from 0 to be replayed), not
-        a jump's or a loss's."""
+        a jump's or a loss's. False outside a suspension and the start-over that ends it,
+        where :attr:`resume_from` is ``None``."""
         return self.suspended_for == "restart" and self.resume_from == 0
 
-    def count_start_over(self, stats: SubscriberStats) -> None:
+    def count_start_over(self, stats: SubscriberStats) -> str:
         """Count the clear that starts the stream over: a restart for a new process whose
-        clear waited for a token, else a resync."""
+        clear waited for a token, else a resync. Returns which, for the log."""
         if self.suspended_by_restart:
             stats.restarts += 1
-        else:
-            stats.resyncs += 1
+            return "restart"
+        stats.resyncs += 1
+        return "resync"
 
     def resync(
         self,
@@ -168,9 +170,9 @@ class StreamState:
         """The reset that starts the stream over at ``seq``, counted
         (:meth:`count_start_over`) and logged; the caller has checked :meth:`may_clear`. A
         ``"lost"`` one is for a stream suspended by a loss (see :attr:`suspended_for`)."""
-        self.count_start_over(stats)
+        counted = self.count_start_over(stats)
         endpoint = self.source.endpoint
-        warn("stream resynchronized", (endpoint,), stream=endpoint, seq=seq)
+        warn("stream started over", (endpoint,), stream=endpoint, seq=seq, counted=counted)
         return self.reset(reason)
 
     def release(self, stats: SubscriberStats, warn: LogLimiter) -> StreamReset | None:
@@ -187,9 +189,15 @@ class StreamState:
         self.suspended = False
         self.starting_over = True
         self.jumped_to = None
-        self.count_start_over(stats)
+        counted = self.count_start_over(stats)
         endpoint = self.source.endpoint
-        warn("clears allowed again, stream cleared", (endpoint,), stream=endpoint, last=self.last)
+        warn(
+            "clears allowed again, stream cleared",
+            (endpoint,),
+            stream=endpoint,
+            last=self.last,
+            counted=counted,
+        )
         return self.reset(self.suspended_for)
 
     def end_replay_back_off(self) -> None:
