@@ -314,7 +314,7 @@ def test_random_sequence_numbers_make_a_bounded_number_of_clears(
     print(f"\nrandom seqs < {high}: {clears} clears in {elapsed:.1f} s, {stats}")
     # At most clear_burst, then one a second (clear_interval), per source.
     assert clears <= DEFAULT_CLEAR_BURST + elapsed + 1
-    # A loss's clear names what it lost; a release's (a resync) names nothing.
+    # A loss's clear names what it lost; a release's (a restart or a resync) names nothing.
     assert clears == stats.restarts + stats.resyncs + sum(
         isinstance(i, StreamReset) and i.reason == "lost" and i.lost_batches > 0 for i in items
     )

@@ -1062,6 +1062,35 @@ def test_a_message_that_finds_the_token_back_starts_over_as_its_suspension_was(
     )
 
 
+def test_a_new_process_found_after_a_throttled_loss_clear_is_logged_not_counted_twice(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A stream suspended by a loss is cleared at a poll once a token is back (a resync). When
+    its next message goes back, the publisher is a new process: its batches from 0 are
+    replayed (here lost, as no one serves replays), and the restart is logged, but the clear
+    it took was counted already: no restart is counted for it."""
+    source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
+    with (
+        structlog.testing.capture_logs() as logs,
+        Subscriber([source], context=ctx, clear_burst=1, clear_interval=0.2) as subscriber,
+    ):
+        items = [item for seq in (0, 2, 5) for item in sequenced(subscriber, source, seq)]
+        assert subscriber.suspended(source)  # the loss at 5 found no token
+        time.sleep(0.25)
+        items += subscriber.poll(20)  # the token is back: cleared at once
+        released = deepcopy(subscriber.stats)
+        items += sequenced(subscriber, source, 1)
+        stats = deepcopy(subscriber.stats)
+    assert shape(items) == [(0, False), ("lost", 1), (2, False), ("lost", 0), (1, False)]
+    throttled = Counter({BadFrame.THROTTLED: 1})
+    assert released == SubscriberStats(messages=3, gaps=2, lost=1, resyncs=1, bad_frames=throttled)
+    assert stats == SubscriberStats(messages=4, gaps=2, lost=2, resyncs=1, bad_frames=throttled)
+    restarted = [line for line in logs if line["event"] == "publisher restarted"]
+    assert [(line["seq"], line["last"], line["counted"]) for line in restarted] == [
+        (1, 2, "resync")
+    ]
+
+
 def test_a_jump_after_a_throttled_restart_counts_a_resync(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

@@ -38,10 +38,11 @@ METRICS: dict[str, str] = {
     "kvbridge_replays_total": "Replay requests sent to the engine",
     "kvbridge_replayed_batches_total": "Batches recovered through replay",
     "kvbridge_lost_batches_total": "Batches no replay could recover (the worker was cleared)",
-    "kvbridge_restarts_total": "Publisher restarts detected (sequence went backwards)",
+    "kvbridge_restarts_total": "Publisher restarts detected, by the clear each takes (the "
+    "sequence went back, or a new process found after a drop)",
     "kvbridge_duplicate_batches_total": "Live batches already delivered by a replay",
     "kvbridge_resyncs_total": "Streams started over at a far sequence (a jump it did take, or "
-    "the end of a throttled stretch, when a clear token is back)",
+    "the end of a throttled stretch that was not a restart, when a clear token is back)",
     "kvbridge_disconnects_total": "Connections to a publisher that dropped",
     "kvbridge_reconnect_checks_total": "Publishers checked after a drop (same process or new)",
     "kvbridge_replay_timeouts_total": "Replay requests unanswered within the timeout",

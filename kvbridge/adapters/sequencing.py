@@ -124,6 +124,7 @@ class Sequencer:
         if reconnected and resume and stream.last is not None:
             same, answer = yield from self.replay.check_publisher(stream, stream.last)
         if same is False:  # a new process: its batches from 0, its replay endpoint afresh
+            self._replaced_after_clear(stream, seq)
             resume, answer = 0, None
             stream.end_replay_back_off()
         if resume is not None and 0 < seq - resume <= self.max_gap:
@@ -150,6 +151,13 @@ class Sequencer:
         stream.last = None
         stream.live_last = stream.replayed_through = -1
         return stream.reset("restart")
+
+    def _replaced_after_clear(self, stream: StreamState, seq: int) -> None:
+        """Log a new process found as its stream starts over after a loss's clear. That clear
+        went out, counted as a resync; each clear is counted once, so no restart is."""
+        endpoint = stream.source.endpoint
+        at = {"seq": seq, "last": stream.last}
+        self.warn("publisher restarted", (endpoint,), stream=endpoint, counted="resync", **at)
 
     def catch_up(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
         """What a drop cost ``stream``, once its SUB is connected again, without waiting for
@@ -218,6 +226,8 @@ class Sequencer:
                 self._suspend(stream, seq)
                 return out
             if stream.last is not None and seq <= stream.last:  # a new process since
+                if stream.starting_over and not stream.suspended_by_restart:
+                    self._replaced_after_clear(stream, seq)
                 stream.suspended_for, stream.resume_from = "restart", 0
                 stream.end_replay_back_off()
             if stream.starting_over:  # cleared when its token came back
