@@ -32,7 +32,6 @@ import pytest
 import structlog
 import zmq
 from support.polling import (
-    BOUND_SUB_SETTLE,
     TIMEOUT,
     poll_for,
     poll_until,
@@ -1198,7 +1197,7 @@ def test_specific_host_makes_the_subscriber_bind(ctx: zmq.Context[zmq.Socket[byt
     ):
         assert publisher.endpoint == f"tcp://127.0.0.1:{port}"
         assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        assert poll_for(subscriber, BOUND_SUB_SETTLE) == []
+        assert poll_for(subscriber) == []
         publisher.publish(VALID)
         publisher.publish(VALID)
         items = receive(subscriber, 2)
@@ -1345,7 +1344,7 @@ def test_a_bound_subscriber_checks_each_new_peer(ctx: zmq.Context[zmq.Socket[byt
         stats = subscriber.stats
         first = engine()
         assert first.wait_for_subscribers(timeout=TIMEOUT)
-        items = poll_for(subscriber, BOUND_SUB_SETTLE)
+        items = poll_for(subscriber)
         for _ in range(5):
             first.publish(VALID)
         items += receive(subscriber, 5)

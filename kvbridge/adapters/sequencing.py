@@ -156,8 +156,14 @@ class Sequencer:
         """Log a new process found as its stream starts over after a loss's clear. That clear
         went out, counted as a resync; each clear is counted once, so no restart is."""
         endpoint = stream.source.endpoint
-        at = {"seq": seq, "last": stream.last}
-        self.warn("publisher restarted", (endpoint,), stream=endpoint, counted="resync", **at)
+        self.warn(
+            "publisher restarted",
+            (endpoint,),
+            stream=endpoint,
+            seq=seq,
+            last=stream.last,
+            counted="resync",
+        )
 
     def catch_up(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
         """What a drop cost ``stream``, once its SUB is connected again, without waiting for

@@ -9,7 +9,6 @@ from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.subscriber import Subscriber
 
 __all__ = [
-    "BOUND_SUB_SETTLE",
     "TIMEOUT",
     "poll_for",
     "poll_until",
@@ -65,18 +64,17 @@ def poll_until(
     return items
 
 
-def poll_for(subscriber: Subscriber, seconds: float) -> list[Message | StreamReset]:
+def poll_for(
+    subscriber: Subscriber, seconds: float = BOUND_SUB_SETTLE
+) -> list[Message | StreamReset]:
     """Poll for ``seconds``; what came out meanwhile.
 
     A bound SUB sends its subscription to a new peer only when its thread polls, and the
     peer's handshake (which :meth:`~kvbridge.adapters.publisher.Publisher.wait_for_subscribers`
     waits for) can come before that: what the peer publishes before the subscription reaches
     it is dropped. A PUB cannot tell when it has, so a test polls for a while first."""
-    items: list[Message | StreamReset] = []
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        items.extend(subscriber.poll(20))
-    return items
+    return poll_until(subscriber, lambda: time.monotonic() >= deadline, timeout=seconds + TIMEOUT)
 
 
 def shape(items: list[Message | StreamReset]) -> list[tuple[object, ...]]:
