@@ -9,8 +9,8 @@
 # Installs cargo-fuzz into ~/.cargo/bin if it is missing. Prints the executions and the time
 # they took; exits non-zero, with libFuzzer's report and the crashing input's path, if an input
 # made the target panic. Extra arguments after the first go to libFuzzer (`-seed=1`, say).
-# KVBRIDGE_FUZZ_SANITIZER=address builds with AddressSanitizer (3x slower; the core has no
-# unsafe code, so the default is none).
+# KVBRIDGE_FUZZ_SANITIZER=address builds with AddressSanitizer (3x slower, so the default is
+# none; the core's only unsafe code is the AVX-512 token loop's, see native/fuzz/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../native/fuzz"
 

@@ -128,7 +128,8 @@ impl<'a> Reader<'a> {
     /// before, which varies from token to token: that chain, not the decoding, bounds the loop.
     /// So the width a token starting at each byte would have is worked out first for a window
     /// of bytes (a pass with no chain, which vectorizes), and the chain is then one load from
-    /// that window and an add per token.
+    /// that window and an add per token. On x86-64 machines with AVX-512 VBMI, `vbmi` reads
+    /// whole windows of 64 bytes first, with no chain per token; this loop takes the rest.
     #[inline]
     pub fn small_uints(&mut self, count: usize, out: &mut Vec<u32>) -> SmallUints {
         let data = self.data;
@@ -138,11 +139,21 @@ impl<'a> Reader<'a> {
         let mut widths = [0u8; SMALL_UINTS_WINDOW * 5 + 5];
         // A list whose items take the general path calls this again after each: for one that
         // starts with such an item, return before working out a window's widths.
-        let first_is_small = data
+        let stopped = data
             .get(pos..)
             .filter(|rest| rest.len() >= 8)
-            .is_some_and(|rest| small_uint_width(rest[0]) != 0);
-        while done < count && first_is_small {
+            .is_none_or(|rest| small_uint_width(rest[0]) == 0);
+        #[cfg(target_arch = "x86_64")]
+        let stopped = if !stopped && super::vbmi::available() {
+            // SAFETY: `available` found the CPU features `small_uints` needs.
+            let run = unsafe { super::vbmi::small_uints(data, pos, count, out) };
+            pos = run.pos;
+            done = run.count;
+            run.stopped
+        } else {
+            stopped
+        };
+        while done < count && !stopped {
             let chunk = (count - done).min(SMALL_UINTS_WINDOW);
             // Eight bytes are read for every token whatever its width (the widest is 5): a
             // token starts only where eight remain, the last few of a payload take the general

@@ -5,11 +5,14 @@
 //! whatever the input.
 //!
 //! The general reads are here; `fast` holds the readers of the decoder's fast path (token
-//! ids, hashes, headers of the forms vLLM writes), and [`write`](mod@write) the writers.
+//! ids, hashes, headers of the forms vLLM writes), `vbmi` the token loop for x86-64 machines
+//! with AVX-512 VBMI, and [`write`](mod@write) the writers.
 
 mod fast;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod vbmi;
 pub mod write;
 
 use std::fmt;
