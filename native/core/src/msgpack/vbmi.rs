@@ -5,17 +5,17 @@
 //! a fixed stride, and within each the chain is replaced by pointer doubling. The step from
 //! each byte to the byte after a token starting there is one vector; composing it with itself
 //! gives the steps of 2, 4, ... 64 tokens, one byte permute each. None of that depends on where
-//! the window is entered, so windows overlap in the pipeline; what is left of the chain is one
-//! permute per window, the exit for its entry. The starts of the tokens read, and their values,
-//! take a dozen permutes more per window.
+//! the window is entered, so windows overlap in the pipeline; what is left of the chain is the
+//! exit for the window's entry, one permute and a move. The starts of the tokens read take six
+//! permutes more, and their values three per 16 tokens.
 
 use std::arch::x86_64::{
     __m512i, _mm512_add_epi8, _mm512_castsi512_si128, _mm512_cmpeq_epi8_mask,
-    _mm512_cmplt_epu8_mask, _mm512_loadu_si512, _mm512_mask2_permutex2var_epi8,
-    _mm512_mask_blend_epi8, _mm512_mask_set1_epi8, _mm512_maskz_permutexvar_epi8,
-    _mm512_maskz_set1_epi8, _mm512_max_epu8, _mm512_permutex2var_epi8, _mm512_permutexvar_epi8,
-    _mm512_set1_epi32, _mm512_set1_epi8, _mm512_storeu_si512, _mm512_sub_epi8,
-    _mm512_test_epi8_mask, _mm_cvtsi128_si32,
+    _mm512_cmple_epu8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512,
+    _mm512_mask2_permutex2var_epi8, _mm512_mask_blend_epi8, _mm512_mask_set1_epi8,
+    _mm512_maskz_permutexvar_epi8, _mm512_maskz_set1_epi8, _mm512_max_epu8,
+    _mm512_permutex2var_epi8, _mm512_permutexvar_epi8, _mm512_set1_epi32, _mm512_set1_epi8,
+    _mm512_storeu_si512, _mm512_sub_epi8, _mm512_test_epi8_mask, _mm_cvtsi128_si32,
 };
 
 /// The bytes a window reads.
@@ -130,7 +130,7 @@ pub(super) unsafe fn small_uints(data: &[u8], pos: usize, limit: usize, out: &mu
         let width = _mm512_mask_set1_epi8(width, marker(0xcd), 3);
         let width = _mm512_mask_set1_epi8(width, marker(0xce), 5);
         let readable = _mm512_test_epi8_mask(width, width)
-            & !_mm512_cmplt_epu8_mask(_mm512_set1_epi8(LAST_START as i8), iota);
+            & _mm512_cmple_epu8_mask(iota, _mm512_set1_epi8(LAST_START as i8));
         let mut steps = [_mm512_mask_blend_epi8(readable, stop, _mm512_add_epi8(iota, width)); 7];
         for power in 1..steps.len() {
             steps[power] = _mm512_permutex2var_epi8(steps[power - 1], steps[power - 1], stop);
@@ -157,8 +157,8 @@ pub(super) unsafe fn small_uints(data: &[u8], pos: usize, limit: usize, out: &mu
         let widths = _mm512_permutexvar_epi8(starts, width);
         let last = _mm512_sub_epi8(_mm512_add_epi8(starts, widths), one);
         let lengths = _mm512_max_epu8(_mm512_sub_epi8(widths, one), one);
-        // Values go straight into `out`'s spare room: a copy from a buffer of the window's
-        // own, of a length known only now, cost as much as the permutes.
+        // Values go straight into `out`'s spare room, in whole groups of 16: copying `read` of
+        // them from a buffer would be a `memmove` call per window.
         out.reserve(WINDOW);
         let room = out.spare_capacity_mut();
         for (group, spread) in SPREAD.iter().enumerate().take(read.div_ceil(16)) {
@@ -176,7 +176,8 @@ pub(super) unsafe fn small_uints(data: &[u8], pos: usize, limit: usize, out: &mu
                 );
             }
         }
-        // SAFETY: the stores above initialized the first `read` u32s of `room`.
+        // SAFETY: `read <= found <= 57`, and the stores above wrote the first
+        // `16 * read.div_ceil(16)` u32s of `room`, so its first `read` are initialized.
         unsafe { out.set_len(out.len() + read) };
         count += read;
         if count == limit {
