@@ -85,6 +85,13 @@ pub(super) fn available() -> bool {
         && std::arch::is_x86_feature_detected!("popcnt")
 }
 
+/// The 64 bytes of `bytes` as a vector.
+#[target_feature(enable = "avx512f")]
+fn load(bytes: &[u8; WINDOW]) -> __m512i {
+    // SAFETY: the load reads the 64 bytes of a `[u8; 64]`, and `loadu` needs no alignment.
+    unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) }
+}
+
 /// Byte `index` of `vector`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
 fn byte(vector: __m512i, index: usize) -> usize {
@@ -111,8 +118,7 @@ pub(super) struct Run {
 /// The CPU must support AVX-512 F, BW and VBMI and POPCNT ([`available`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,popcnt")]
 pub(super) unsafe fn small_uints(data: &[u8], pos: usize, limit: usize, out: &mut Vec<u32>) -> Run {
-    // SAFETY: the load reads the 64 bytes of a `[u8; 64]`, and `loadu` needs no alignment.
-    let iota = unsafe { _mm512_loadu_si512(IOTA.as_ptr().cast()) };
+    let iota = load(&IOTA);
     // In the tables of the permutes below, offsets 0-63 are the window's bytes and 64 + i is
     // "stop at byte i": a step from there stays there.
     let stop = _mm512_add_epi8(iota, _mm512_set1_epi8(WINDOW as i8));
@@ -120,8 +126,7 @@ pub(super) unsafe fn small_uints(data: &[u8], pos: usize, limit: usize, out: &mu
     let (mut base, mut entry, mut count) = (pos, 0, 0);
     while count < limit && base + WINDOW <= data.len() {
         let bytes: &[u8; WINDOW] = data[base..base + WINDOW].try_into().expect("a window");
-        // SAFETY: the load reads the 64 bytes of a `[u8; 64]`, and `loadu` needs no alignment.
-        let window = unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) };
+        let window = load(bytes);
         // The width of a token starting at each byte, 0 where none does.
         let marker = |value: u8| _mm512_cmpeq_epi8_mask(window, _mm512_set1_epi8(value as i8));
         let fixint = _mm512_cmplt_epu8_mask(window, _mm512_set1_epi8(-128));
@@ -162,8 +167,7 @@ pub(super) unsafe fn small_uints(data: &[u8], pos: usize, limit: usize, out: &mu
         out.reserve(WINDOW);
         let room = out.spare_capacity_mut();
         for (group, spread) in SPREAD.iter().enumerate().take(read.div_ceil(16)) {
-            // SAFETY: the load reads the 64 bytes of a `[u8; 64]`.
-            let spread = unsafe { _mm512_loadu_si512(spread.as_ptr().cast()) };
+            let spread = load(spread);
             let index = _mm512_sub_epi8(_mm512_permutexvar_epi8(spread, last), byte_of_lane);
             let lengths = _mm512_permutexvar_epi8(spread, lengths);
             let keep = _mm512_cmplt_epu8_mask(byte_of_lane, lengths);
