@@ -3,18 +3,28 @@
 
 A router that runs kvbridge's relay in its own process (``Relay.start()``, as a Ray Serve
 replica can) shares the GIL between the relay's thread and the router's decisions. This
-measures a decision's latency, p50 and p99, in windows that alternate (the order rotates each
-round) between
+measures a decision's latency, p50 and p99, in short slices that rotate (the order shifts each
+round) between three conditions:
 
-- **alone**: no relay anywhere;
+- **alone**: no stream; the relays below wait in their poll;
 - **relay thread**: a :class:`~kvbridge.adapters.relay.Relay` started with ``Relay.start()``
   in this process relays a stream that another process publishes at ``--rate`` blocks per
-  second (250,000 by default) to a sink process; its achieved blocks/s in the window is printed;
+  second (250,000 by default) to a sink process; its achieved blocks/s is printed;
 - **relay process**, a control: the same relay, started the same way, in a helper process on
-  the same core. The machine's load is then the same as with the relay thread but the GIL is
-  not shared, so the difference between the two is the GIL's own share, and the difference
-  between this one and "alone" is what a busy core 1 does to core 0 on this shared machine
-  (other jobs' processes move to core 0, interrupts), whatever the process.
+  the same core, relays the same stream. The machine's load is then the same as with the relay
+  thread but the GIL is not shared, so the difference between the two is the GIL's own share,
+  and the difference between this one and "alone" is what a busy core 1 does to core 0 on
+  this shared machine (other jobs' processes move to core 0, interrupts), whatever the process.
+
+Both relays run for the whole benchmark; a slice's condition is only where the publisher sends
+the stream (to the relay thread's socket, the relay process's, or neither), so conditions switch
+in a moment and rotate every ``--slice`` seconds (0.3 by default), and the first ``--settle``
+seconds of a slice (0.05) are not timed. On this shared guest the p99s move with the machine in
+spells of seconds: slices that short give every condition its share of each spell, where
+windows of seconds, each starting and stopping its relay, gave whichever condition ran in a
+spell all of it (round-by-round ratios of 0.69-1.87 in runs that met the target and in runs
+that did not). The rounds are reported in ``--groups`` consecutive groups (6), whose ranges show
+how far the figures move across the run.
 
 One decision is fixed pure-Python work shaped like a KV router's: 16 workers, each with the
 cached prefix of a 512-block prompt as a set of block hashes (8 to 480 blocks), and for each
@@ -28,9 +38,9 @@ for the GIL and for the core) is printed apart, as "late".
 
 The stream is the GPU-only workload of ``benchmarks/relay_throughput.py`` (block size 16, vLLM
 0.32 map events, int hashes, 37 blocks a batch), paced by the publisher, cycled with an
-``AllBlocksCleared`` between cycles, from sequence 0 for every relay window. Cores: the measured
-(main) thread is pinned to core 0; the relay's thread, ZMQ's I/O thread, the helper, the
-publisher and the sink to core 1, so that the figures show the GIL, not two threads
+``AllBlocksCleared`` between cycles; each relay's stream goes on where it paused. Cores: the
+measured (main) thread is pinned to core 0; the relay's thread, ZMQ's I/O thread, the helper,
+the publisher and the sink to core 1, so that the figures show the GIL, not two threads
 time-sharing a core.
 
 Why it holds. The relay's work per batch is mostly in the native core, which releases the GIL
@@ -61,7 +71,8 @@ decisions that did neither. Even those ran slower at p99 in some runs while core
 with the relay in this process or in the other: that is the busy neighbour core (the
 hypervisor, the shared cache), which the relay-process control measures, not the GIL.
 
-Run: python benchmarks/gil.py [--rounds N] [--window S] [--rate BLOCKS_PER_S] [--period-ms MS]
+Run: python benchmarks/gil.py [--rounds N] [--slice S] [--settle S] [--groups G]
+         [--rate BLOCKS_PER_S] [--period-ms MS]
 """
 
 from __future__ import annotations
@@ -97,7 +108,7 @@ TARGET = 1.2
 """p99 with the relay over p99 alone."""
 _THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 MIN_RATE = 200_000
-"""Blocks per second the relay must achieve in a window for the window to count."""
+"""Blocks per second the relay thread must achieve in every slice of its condition."""
 CONDITIONS = ("alone", "thread", "process")
 LABELS = {"alone": "alone", "thread": "relay thread", "process": "relay process"}
 WORKERS = 16
@@ -107,9 +118,11 @@ PROMPT_BLOCKS = 512
 # -- the other processes -----------------------------------------------------------------------
 
 
-def publisher(endpoint: str, blocks: int, seed: int, control: Connection) -> None:
-    """Publishes the workload, cycled, at the rate each ``("go", rate)`` asks for, from seq 0,
-    until ``"stop"``; answers ``"stop"`` with the number of batches sent."""
+def publisher(endpoints: dict[str, str], blocks: int, seed: int, control: Connection) -> None:
+    """Publishes the workload, cycled, to one of ``endpoints`` at a time: ``("route", name,
+    rate)`` sends it to ``name``'s socket at ``rate`` blocks/s (``None``: to none), each
+    socket's stream going on from where it paused (from seq 0 at first); ``"quit"`` answers with
+    the number of batches each socket sent."""
     pin(1)
     from normalize import VARIANTS, count_blocks, encode_steps, simulate
     from relay_throughput import gpu_only
@@ -124,36 +137,44 @@ def publisher(endpoint: str, blocks: int, seed: int, control: Connection) -> Non
     counts = [sum(count_blocks([payload])[0].values()) for payload in cycle]
     del payloads
     context = zmq.Context()
-    pub = context.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 0)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind(endpoint)
+    sockets = {}
+    for name, endpoint in endpoints.items():
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+        sockets[name] = pub
+    seqs = dict.fromkeys(endpoints, 0)
     control.send(counts)
+    target: str | None = None
+    rate, sent_blocks, start = 0.0, 0, time.perf_counter()
     while True:
-        command = control.recv()
-        if command == "quit":
-            break
-        _, rate = command
-        seq, sent_blocks = 0, 0
-        start = time.perf_counter()
-        while not control.poll(0):
-            due = rate * (time.perf_counter() - start)
-            while sent_blocks < due:
-                index = seq % len(cycle)
-                pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), cycle[index]])
-                sent_blocks += counts[index]
-                seq += 1
-            time.sleep(0.0005)
-        control.recv()  # "stop"
-        control.send(seq)
+        if control.poll(0 if target else None):
+            command = control.recv()
+            if command == "quit":
+                break
+            _, target, rate = command
+            sent_blocks, start = 0, time.perf_counter()
+            continue
+        assert target is not None
+        pub, due = sockets[target], rate * (time.perf_counter() - start)
+        while sent_blocks < due:
+            index = seqs[target] % len(cycle)
+            pub.send_multipart([TOPIC, seqs[target].to_bytes(8, "big"), cycle[index]])
+            sent_blocks += counts[index]
+            seqs[target] += 1
+        time.sleep(0.0005)
+    control.send(seqs)
     context.destroy(linger=0)
 
 
-def sink(endpoint: str, ready: Connection) -> None:
-    """Drains the relay's output (the relay rebinds the same endpoint in every window)."""
+def sink(endpoints: list[str], ready: Connection) -> None:
+    """Drains the relays' outputs."""
     pin(1)
     context = zmq.Context()
-    sub = subscriber(context, endpoint)
+    sub = subscriber(context, endpoints[0])
+    for endpoint in endpoints[1:]:
+        sub.connect(endpoint)
     ready.send(True)
     received = 0
     while not ready.poll(0):
@@ -247,22 +268,21 @@ def _relay(source: str, out: str) -> Relay:
     )
 
 
+def _last_seq(relay: Relay) -> int | None:
+    return relay.subscriber.last_seq(next(iter(relay.outputs)))
+
+
 def relay_process(source: str, out: str, control: Connection) -> None:
-    """The control condition: the same relay, started the same way, in a process of its own."""
+    """The control condition: the same relay, started the same way, in a process of its own.
+    Answers ``"seq"`` with the last sequence number relayed, until ``"quit"``."""
     pin(1)
-    relay: Relay | None = None
-    while (command := control.recv()) != "quit":
-        if command == "start":
-            relay = _relay(source, out)
-            relay.start()
-            control.send(True)
-        elif command == "seq":
-            assert relay is not None
-            control.send(relay.subscriber.last_seq(next(iter(relay.outputs))))
-        elif command == "stop":
-            assert relay is not None
-            relay.close()
-            control.send(True)
+    relay = _relay(source, out)
+    relay.start()
+    control.send(True)
+    while control.recv() == "seq":
+        control.send(_last_seq(relay))
+    relay.close()
+    control.send(True)
 
 
 class ThreadRelay:
@@ -275,7 +295,7 @@ class ThreadRelay:
         pin(0)
 
     def last_seq(self) -> int | None:
-        return self.relay.subscriber.last_seq(next(iter(self.relay.outputs)))
+        return _last_seq(self.relay)
 
     def close(self) -> None:
         self.relay.close()
@@ -284,9 +304,10 @@ class ThreadRelay:
 class ProcessRelay:
     """The same relay in the helper process (:func:`relay_process`)."""
 
-    def __init__(self, control: Connection) -> None:
+    def __init__(self, process: mp.process.BaseProcess, control: Connection) -> None:
+        self.process = process
         self.control = control
-        control.send("start")
+        process.start()
         control.recv()
 
     def last_seq(self) -> int | None:
@@ -295,28 +316,41 @@ class ProcessRelay:
         return seq
 
     def close(self) -> None:
-        self.control.send("stop")
+        self.control.send("quit")
         self.control.recv()
+        self.process.join(10)
 
 
-# -- the windows -------------------------------------------------------------------------------
+# -- the slices --------------------------------------------------------------------------------
 
 
-class Window:
-    def __init__(self, condition: str, timings: Timings) -> None:
+class Slice:
+    """One slice's decisions, and the relay's rate during them."""
+
+    def __init__(self, condition: str, timings: Timings, relay_rate: float | None) -> None:
         self.condition = condition
-        self.durations = timings.durations
-        self.late = timings.late
         self.timings = timings
+        self.relay_rate = relay_rate
+
+
+class Sample:
+    """The decisions of some slices of one condition, pooled."""
+
+    def __init__(self, slices: Sequence[Slice]) -> None:
+        self.durations = [d for s in slices for d in s.timings.durations]
+        self.late = [d for s in slices for d in s.timings.late]
+        self.preempted = sum(sum(s.timings.preempted) for s in slices)
+        self.blocked = sum(sum(s.timings.blocked) for s in slices)
         self.clean = [
             d
-            for d, p, b in zip(timings.durations, timings.preempted, timings.blocked, strict=True)
+            for s in slices
+            for d, p, b in zip(
+                s.timings.durations, s.timings.preempted, s.timings.blocked, strict=True
+            )
             if not p and not b
         ]
         """Durations of the decisions that neither the OS preempted nor anything blocked."""
-        self.relay_rate: float | None = None
-        self.behind = 0
-        """Batches published and not relayed when the window closed."""
+        self.rates = [s.relay_rate for s in slices if s.relay_rate is not None]
 
     @property
     def p50(self) -> float:
@@ -332,29 +366,42 @@ class Bench:
         self.args = args
         self.period = float(args.period_ms) / 1000
         self.ctx = mp.get_context("spawn")
-        self.source = f"tcp://127.0.0.1:{free_port()}"
-        self.out = f"tcp://127.0.0.1:{free_port()}"
+        relays = ("thread", "process")
+        sources = {name: f"tcp://127.0.0.1:{free_port()}" for name in relays}
+        outs = {name: f"tcp://127.0.0.1:{free_port()}" for name in relays}
         self.control, control = self.ctx.Pipe()
         self.publisher = self.ctx.Process(
-            target=publisher, args=(self.source, args.blocks, args.seed, control)
+            target=publisher, args=(sources, args.blocks, args.seed, control)
         )
         self.publisher.start()
         self.counts: list[int] = self.control.recv()
         self.sink_control, sink_control = self.ctx.Pipe()
-        self.sink = self.ctx.Process(target=sink, args=(self.out, sink_control))
+        self.sink = self.ctx.Process(target=sink, args=(list(outs.values()), sink_control))
         self.sink.start()
         self.sink_control.recv()
-        self.helper_control, helper_control = self.ctx.Pipe()
-        self.helper = self.ctx.Process(
-            target=relay_process, args=(self.source, self.out, helper_control)
+        helper_control, control = self.ctx.Pipe()
+        helper = self.ctx.Process(
+            target=relay_process, args=(sources["process"], outs["process"], control)
         )
-        self.helper.start()
+        self.relays: dict[str, ThreadRelay | ProcessRelay] = {
+            "thread": ThreadRelay(sources["thread"], outs["thread"]),
+            "process": ProcessRelay(helper, helper_control),
+        }
         self.router = Router(args.seed)
         self.cycle_blocks: int = sum(self.counts)
         self.prefix = [0]
         for count in self.counts:
             self.prefix.append(self.prefix[-1] + count)
         pin(0)
+        time.sleep(0.5)  # the relays' subscriptions reach the publisher
+        for name in relays:  # a first stretch of each stream, not timed
+            self.route(name)
+            time.sleep(args.warmup)
+        self.route("alone")
+
+    def route(self, condition: str) -> None:
+        target = None if condition == "alone" else condition
+        self.control.send(("route", target, self.args.rate))
 
     def blocks_through(self, seq: int | None) -> int:
         """Blocks in the batches of sequence 0 to ``seq``."""
@@ -363,57 +410,66 @@ class Bench:
         cycles, index = divmod(seq + 1, len(self.counts))
         return cycles * self.cycle_blocks + self.prefix[index]
 
-    def window(self, condition: str) -> Window:
-        if condition == "alone":
-            gc.collect()
-            return Window(condition, decisions(self.router, self.args.window, self.period))
-        relay: ThreadRelay | ProcessRelay = (
-            ThreadRelay(self.source, self.out)
-            if condition == "thread"
-            else ProcessRelay(self.helper_control)
-        )
-        try:
-            time.sleep(0.3)  # the relay's subscription reaches the publisher
-            self.control.send(("go", self.args.rate))
-            time.sleep(self.args.warmup)
-            gc.collect()
-            first = relay.last_seq()
-            started = time.perf_counter()
-            window = Window(condition, decisions(self.router, self.args.window, self.period))
-            elapsed = time.perf_counter() - started
-            last = relay.last_seq()
-            self.control.send("stop")
-            sent: int = self.control.recv()
-            window.relay_rate = (self.blocks_through(last) - self.blocks_through(first)) / elapsed
-            window.behind = sent - 1 - (last if last is not None else -1)
-        finally:
-            relay.close()
-        return window
+    def slice(self, condition: str) -> Slice:
+        self.route(condition)
+        gc.collect()
+        time.sleep(self.args.settle)
+        relay = self.relays.get(condition)
+        first = relay.last_seq() if relay else None
+        started = time.perf_counter()
+        timings = decisions(self.router, self.args.slice, self.period)
+        elapsed = time.perf_counter() - started
+        if relay is None:
+            return Slice(condition, timings, None)
+        relayed = self.blocks_through(relay.last_seq()) - self.blocks_through(first)
+        return Slice(condition, timings, relayed / elapsed)
 
-    def close(self) -> None:
+    def close(self) -> dict[str, tuple[int, int]]:
+        """Stops everything; for each relay, the batches published to it and those it relayed."""
+        self.route("alone")
+        time.sleep(0.2)  # the relays drain what is in flight
+        relayed = {name: relay.last_seq() for name, relay in self.relays.items()}
+        for relay in self.relays.values():
+            relay.close()
         self.control.send("quit")
+        published: dict[str, int] = self.control.recv()
         self.publisher.join(10)
-        self.helper_control.send("quit")
-        self.helper.join(10)
         self.sink_control.send("stop")
         self.sink_control.recv()
         self.sink.join(10)
+        return {
+            name: (published[name], -1 if seq is None else seq) for name, seq in relayed.items()
+        }
 
 
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f} us"
 
 
+def report(label: str, sample: Sample) -> str:
+    rates = f"  relay {min(sample.rates):,.0f} blocks/s at least" if sample.rates else ""
+    return (
+        f"  {label:<13} {len(sample.durations):>5} decisions  p50 {us(sample.p50):>7}  "
+        f"p99 {us(sample.p99):>7}  max {us(max(sample.durations)):>9}  "
+        f"late p99 {us(percentile(sample.late, 99)):>8}  preempted {sample.preempted} "
+        f"blocked {sample.blocked}{rates}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=6, help="windows per condition")
-    parser.add_argument("--window", type=float, default=3.0, help="seconds of decisions each")
-    parser.add_argument("--warmup", type=float, default=0.5, help="relay seconds before a window")
+    parser.add_argument("--rounds", type=int, default=60, help="slices per condition")
+    parser.add_argument("--slice", type=float, default=0.3, help="seconds of decisions each")
+    parser.add_argument("--settle", type=float, default=0.05, help="seconds before a slice")
+    parser.add_argument("--groups", type=int, default=6, help="groups of rounds reported")
+    parser.add_argument("--warmup", type=float, default=0.5, help="each relay's untimed start")
     parser.add_argument("--rate", type=float, default=250_000, help="blocks/s the stream offers")
     parser.add_argument("--period-ms", type=float, default=1.0, help="one decision every ...")
     parser.add_argument("--blocks", type=int, default=100_000, help="simulated blocks a cycle")
     parser.add_argument("--seed", type=int, default=20_240_601)
     args = parser.parse_args(argv)
+    if args.rounds < args.groups or args.groups < 1:
+        parser.error("--rounds must be at least --groups, and --groups at least 1")
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
@@ -425,87 +481,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"stream: {batches} batches of {bench.cycle_blocks} blocks a cycle "
         f"({bench.cycle_blocks / batches:.0f} a batch), offered at {args.rate:,.0f} blocks/s; "
-        f"a decision every {args.period_ms} ms, {args.window} s windows"
+        f"a decision every {args.period_ms} ms; {args.rounds} rounds of {args.slice} s slices "
+        f"({args.settle} s settling first)"
     )
-    windows: list[Window] = []
+    rounds: list[dict[str, Slice]] = []
     try:
+        group_size = args.rounds // args.groups
         for round_ in range(args.rounds):
             shift = round_ % len(CONDITIONS)
-            for condition in CONDITIONS[shift:] + CONDITIONS[:shift]:
-                window = bench.window(condition)
-                windows.append(window)
-                relay = (
-                    f"  relay {window.relay_rate:,.0f} blocks/s, {window.behind} batches behind"
-                    if window.relay_rate is not None
-                    else ""
-                )
-                print(
-                    f"  round {round_ + 1} {LABELS[condition]:<13} "
-                    f"{len(window.durations)} decisions  p50 {us(window.p50):>7}  "
-                    f"p99 {us(window.p99):>7}  max {us(max(window.durations)):>9}  "
-                    f"late p99 {us(percentile(window.late, 99)):>8}  "
-                    f"preempted {sum(window.timings.preempted)} blocked "
-                    f"{sum(window.timings.blocked)}{relay}",
-                    flush=True,
-                )
+            rounds.append({c: bench.slice(c) for c in CONDITIONS[shift:] + CONDITIONS[:shift]})
+            if (round_ + 1) % group_size == 0 and len(rounds) // group_size <= args.groups:
+                group = rounds[-group_size:]
+                print(f"rounds {round_ + 2 - group_size}-{round_ + 1}", flush=True)
+                for condition in CONDITIONS:
+                    sample = Sample([r[condition] for r in group])
+                    print(report(LABELS[condition], sample), flush=True)
     finally:
-        bench.close()
+        relayed = bench.close()
 
-    print("\nover every window of a condition: p50 and p99 (range over its windows)")
-    pooled: dict[str, float] = {}
-    clean: dict[str, float] = {}
+    groups = [rounds[i * group_size : (i + 1) * group_size] for i in range(args.groups)]
+    groups[-1].extend(rounds[args.groups * group_size :])
+    print("\nover every slice of a condition (range over the groups)")
+    pooled: dict[str, Sample] = {}
+    by_group: dict[str, list[Sample]] = {}
     for condition in CONDITIONS:
-        group = [w for w in windows if w.condition == condition]
-        durations = [d for w in group for d in w.durations]
-        late = [d for w in group for d in w.late]
-        pooled[condition] = percentile(durations, 99)
-        clean[condition] = percentile([d for w in group for d in w.clean], 99)
-        p50s = [w.p50 for w in group]
-        p99s = [w.p99 for w in group]
-        preempted = sum(sum(w.timings.preempted) for w in group)
-        blocked = sum(sum(w.timings.blocked) for w in group)
+        pooled[condition] = Sample([r[condition] for r in rounds])
+        by_group[condition] = [Sample([r[condition] for r in g]) for g in groups]
+        sample, parts = pooled[condition], by_group[condition]
+        print(report(LABELS[condition], sample))
         print(
-            f"  {LABELS[condition]:<13} p50 {us(percentile(durations, 50))} "
-            f"({us(min(p50s))}-{us(max(p50s))})  p99 {us(pooled[condition])} "
-            f"({us(min(p99s))}-{us(max(p99s))})  late p99 {us(percentile(late, 99))}"
+            f"  {'':<13} p50 {us(min(p.p50 for p in parts))}-{us(max(p.p50 for p in parts))}, "
+            f"p99 {us(min(p.p99 for p in parts))}-{us(max(p.p99 for p in parts))}; "
+            f"p99 of the decisions neither preempted nor blocked {us(percentile(sample.clean, 99))}"
         )
+    for name, (published, last) in relayed.items():
+        rates = pooled[name].rates
         print(
-            f"  {'':<13} of {len(durations)} decisions {preempted} preempted by the OS, "
-            f"{blocked} blocked; p99 of the others {us(clean[condition])}"
-        )
-    for condition in ("thread", "process"):
-        rates = [w.relay_rate for w in windows if w.condition == condition and w.relay_rate]
-        print(
-            f"  {LABELS[condition]}'s achieved rate: {min(rates):,.0f}-{max(rates):,.0f} "
-            f"blocks/s (needed: {MIN_RATE:,})"
+            f"  {LABELS[name]}: {min(rates):,.0f}-{max(rates):,.0f} blocks/s over its slices "
+            f"(needed: {MIN_RATE:,}); {published:,} batches published to it, "
+            f"{last + 1:,} relayed"
         )
 
     def ratios(top: str, bottom: str) -> tuple[float, list[float]]:
-        """Pooled p99 ratio, and round by round."""
-        by_round = [windows[i : i + len(CONDITIONS)] for i in range(0, len(windows), 3)]
-        per_round = [
-            next(w for w in r if w.condition == top).p99
-            / next(w for w in r if w.condition == bottom).p99
-            for r in by_round
-        ]
-        return pooled[top] / pooled[bottom], per_round
+        """Pooled p99 ratio, and group by group."""
+        per_group = [t.p99 / b.p99 for t, b in zip(by_group[top], by_group[bottom], strict=True)]
+        return pooled[top].p99 / pooled[bottom].p99, per_group
 
-    rates = [w.relay_rate for w in windows if w.condition == "thread" and w.relay_rate]
-    ratio, per_round = ratios("thread", "alone")
-    verdict = "met" if ratio <= TARGET and min(rates) >= MIN_RATE else "NOT met"
+    ratio, per_group = ratios("thread", "alone")
+    met = ratio <= TARGET and min(pooled["thread"].rates) >= MIN_RATE
     print(
-        f"\np99 with the relay thread / p99 alone: {ratio:.2f} over all windows "
-        f"({min(per_round):.2f}-{max(per_round):.2f} round by round); target <= {TARGET} "
-        f"with the relay at >= {MIN_RATE:,} blocks/s: {verdict}"
+        f"\np99 with the relay thread / p99 alone: {ratio:.2f} over all slices "
+        f"({min(per_group):.2f}-{max(per_group):.2f} group by group); target <= {TARGET} "
+        f"with the relay at >= {MIN_RATE:,} blocks/s: {'met' if met else 'NOT met'}"
     )
+    clean = {c: percentile(pooled[c].clean, 99) for c in CONDITIONS}
     print(
         f"the same over the decisions neither preempted nor blocked: "
         f"{clean['thread'] / clean['alone']:.2f}"
     )
-    control, control_rounds = ratios("thread", "process")
+    control, control_groups = ratios("thread", "process")
     print(
         f"p99 with the relay thread / p99 with the relay in another process (the GIL's own "
-        f"share): {control:.2f} ({min(control_rounds):.2f}-{max(control_rounds):.2f})"
+        f"share): {control:.2f} ({min(control_groups):.2f}-{max(control_groups):.2f})"
     )
     return 0
 
