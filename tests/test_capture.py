@@ -28,6 +28,7 @@ from kvbridge.adapters.capture import (
     MAGIC,
     CaptureError,
     CaptureReader,
+    CaptureWriteError,
     CaptureWriter,
     FrameRecord,
     capture_name,
@@ -354,7 +355,7 @@ def test_capture_name_is_text_json_can_hold() -> None:
 
 
 def test_a_failed_write_names_the_file(tmp_path: Path) -> None:
-    with pytest.raises(OSError) as raised, CaptureWriter("/dev/full") as writer:
+    with pytest.raises(CaptureWriteError) as raised, CaptureWriter("/dev/full") as writer:
         writer.write([b"p"], stream="s")
         writer.flush()
     assert (raised.value.filename, raised.value.strerror) == (

@@ -683,7 +683,33 @@ def test_a_write_that_fails_names_the_file() -> None:
     assert result.stderr.splitlines()[-1] == (
         "kvbridge record: error: /dev/full: No space left on device"
     )
-    assert result.returncode == 2
+    assert result.returncode == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["schema"],
+        ["demo"],
+        ["validate", str(SAMPLE)],
+        ["watch", "--source", "tcp://127.0.0.1:1", "--block-size", "4", "--duration", "5"],
+    ],
+)
+def test_a_full_stdout_exits_1_naming_it(args: list[str]) -> None:
+    """A report that cannot be written is a failed run, not a misused command."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvbridge.cli", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=TIMEOUT,
+        )
+    assert result.stderr.splitlines()[-1] == (
+        f"kvbridge {args[0]}: error: stdout: No space left on device"
+    )
+    assert result.returncode == 1
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ __all__ = [
     "MAGIC",
     "CaptureError",
     "CaptureReader",
+    "CaptureWriteError",
     "CaptureWriter",
     "FrameRecord",
     "Prompt",
@@ -61,6 +62,12 @@ _LENGTH = struct.Struct(">I")
 
 class CaptureError(ValueError):
     """A file that is not a readable ``.kvcap`` capture."""
+
+
+class CaptureWriteError(OSError):
+    """A capture could not be written once it was created (a full disk, an I/O error): the
+    recording stopped short, which is a failure of the run, not of its arguments. The error
+    names the file."""
 
 
 class FrameRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -186,8 +193,10 @@ class CaptureWriter(ClosedOnExit):
         """Creates (or truncates) the file and writes the header.
 
         Raises:
-            OSError: the file cannot be written, named; a FIFO that no process reads is one
+            OSError: the file cannot be created, named; a FIFO that no process reads is one
                 (``ENXIO``): waiting for a reader could not be ended by a signal.
+            CaptureWriteError: it was created, and writing the header failed. So can every
+                later write, flush and close.
         """
         self.path = Path(path)
         # O_NONBLOCK only changes how a FIFO opens: at once, or ENXIO without a reader.
@@ -211,11 +220,12 @@ class CaptureWriter(ClosedOnExit):
 
     @contextlib.contextmanager
     def _named_errors(self) -> Iterator[None]:
-        """A write's error names the file."""
+        """A write's error, as a :class:`CaptureWriteError` that names the file."""
         try:
             yield
         except OSError as error:
-            raise _named(error, self.path) from error
+            strerror = error.strerror or str(error)
+            raise CaptureWriteError(error.errno, strerror, str(self.path)) from error
 
     def write(
         self,

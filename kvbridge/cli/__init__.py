@@ -1,8 +1,9 @@
 """The ``kvbridge`` command, the top layer: it may import everything, and nothing imports it.
 
 Exit codes: 0 when the command did its job, 1 for invalid data (``validate`` found a bad frame or
-an unmet requirement; a file that is not a readable capture) or a relay that stopped on an error
-in its loop (:func:`.live.loop_failures`), 2 for bad usage (an argument that
+an unmet requirement; a file that is not a readable capture), a relay that stopped on an error
+in its loop (:func:`.live.loop_failures`) or output that could not be written once the command
+ran (a capture or stdout on a full disk), 2 for bad usage (an argument that
 is wrong, missing, repeated or refused, an endpoint that cannot be bound or connected, a missing
 file, a missing extra). Errors are one line on stderr; a closed stdout (``kvbridge schema |
 head``) ends the command quietly.
@@ -23,9 +24,9 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from kvbridge.adapters.capture import CaptureError
+from kvbridge.adapters.capture import CaptureError, CaptureWriteError
 from kvbridge.adapters.endpoints import EndpointError
-from kvbridge.cli.output import configure_logging, silence_stdout
+from kvbridge.cli.output import OutputError, configure_logging, silence_stdout
 from kvbridge.cli.parser import build_parser
 from kvbridge.cli.sockets import socket_error
 from kvbridge.cli.usage import MissingExtra, UsageError
@@ -47,8 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         silence_stdout()
         return 0
-    except CaptureError as error:
+    except (CaptureError, OutputError) as error:
         print(f"{prefix} {error}", file=sys.stderr)
+        return 1
+    except CaptureWriteError as error:
+        print(f"{prefix} {error.filename}: {error.strerror}", file=sys.stderr)
         return 1
     except zmq.ZMQError as error:
         print(f"{prefix} {socket_error(args, error)}", file=sys.stderr)

@@ -12,6 +12,7 @@ from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.adapters.tiered_index import TieredIndex
+from kvbridge.cli.output import write
 
 __all__ = ["run_demo"]
 
@@ -33,12 +34,12 @@ def run_demo(args: argparse.Namespace) -> int:
     for record in reader:
         pipeline.feed_record(record)  # a bad frame is logged, counted and skipped
     messages, bad = pipeline.stats.batches_in, pipeline.stats.bad_frames[BadFrame.SCHEMA]
-    print(f"{path.name}: {messages} messages, {bad} bad, block size {block_size}")
+    lines = [f"{path.name}: {messages} messages, {bad} bad, block size {block_size}"]
     for worker_id, worker in sorted(pipeline.workers.items()):
         normalizer = worker.normalizer
         drops = ", ".join(f"{k}={v}" for k, v in sorted(normalizer.stats.items())) or "none"
-        print(f"worker {worker_id}: not forwarded: {drops}")
-    print(
+        lines.append(f"worker {worker_id}: not forwarded: {drops}")
+    lines.append(
         f"\n{'prompt':<16}{'blocks':>7}  {'worker':>6}{'dp':>4}{'device':>8}{'host':>6}{'disk':>6}"
     )
     for prompt in prompts:
@@ -47,10 +48,11 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         name, blocks = prompt.name, len(prompt.token_ids) // block_size
         if not overlaps:
-            print(f"{name:<16}{blocks:>7}  {'-':>6}")
+            lines.append(f"{name:<16}{blocks:>7}  {'-':>6}")
         for (worker_id, dp_rank), overlap in overlaps.items():
-            print(
+            lines.append(
                 f"{name:<16}{blocks:>7}  {worker_id:>6}{dp_rank:>4}"
                 f"{overlap.device:>8}{overlap.host_pinned:>6}{overlap.disk:>6}"
             )
+    write("\n".join(lines))
     return 0

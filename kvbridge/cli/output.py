@@ -9,7 +9,7 @@ import sys
 
 import structlog
 
-__all__ = ["configure_logging", "silence_stdout", "write"]
+__all__ = ["OutputError", "configure_logging", "silence_stdout", "write"]
 
 
 def configure_logging(log_format: str) -> None:
@@ -30,13 +30,26 @@ def configure_logging(log_format: str) -> None:
     )
 
 
+class OutputError(Exception):
+    """stdout could not be written (a full disk, an I/O error): the report is incomplete, a
+    failure of the run rather than of its arguments. stdout is /dev/null from then on, so
+    that the interpreter's last flush does not fail again."""
+
+
 def write(text: str) -> bool:
-    """Print to stdout; ``False`` if the reader has gone (stdout is then /dev/null)."""
+    """Print to stdout; ``False`` if the reader has gone (stdout is then /dev/null).
+
+    Raises:
+        OutputError: stdout cannot be written for another reason.
+    """
     try:
         print(text, flush=True)
     except BrokenPipeError:
         silence_stdout()
         return False
+    except OSError as error:
+        silence_stdout()
+        raise OutputError(f"stdout: {error.strerror or error}") from None
     return True
 
 
