@@ -55,6 +55,19 @@ def kvbridge(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProces
     )
 
 
+def kvbridge_with_stdout(stdout: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvbridge ARGS`` writing its stdout to the descriptor ``stdout``, its stderr captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+        timeout=TIMEOUT,
+        env=ENV,
+    )
+
+
 def start(*args: str) -> subprocess.Popen[str]:
     return start_kvbridge(*args, env=ENV)
 
@@ -698,14 +711,7 @@ def test_a_write_that_fails_names_the_file() -> None:
 def test_a_full_stdout_exits_1_naming_it(args: list[str]) -> None:
     """A report that cannot be written is a failed run, not a misused command."""
     with open("/dev/full", "w") as full:
-        result = subprocess.run(
-            [sys.executable, "-m", "kvbridge.cli", *args],
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=TIMEOUT,
-        )
+        result = kvbridge_with_stdout(full.fileno(), *args)
     assert result.stderr.splitlines()[-1] == (
         f"kvbridge {args[0]}: error: stdout: No space left on device"
     )
@@ -726,14 +732,7 @@ def test_a_closed_stdout_ends_quietly(args: list[str], code: int) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "kvbridge.cli", *args],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=TIMEOUT,
-        )
+        result = kvbridge_with_stdout(write_end, *args)
     finally:
         os.close(write_end)
     assert result.stderr == ""
