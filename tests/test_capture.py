@@ -364,6 +364,43 @@ def test_a_failed_write_names_the_file(tmp_path: Path) -> None:
     )
 
 
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_header_that_cannot_be_written_closes_the_file() -> None:
+    """A header larger than the write buffer fails at once; the descriptor must not stay open."""
+    before = _open_descriptors()
+    with pytest.raises(CaptureWriteError) as raised:
+        CaptureWriter("/dev/full", meta={"prompts": "x" * 100_000})
+    assert (raised.value.filename, raised.value.strerror) == (
+        "/dev/full",
+        "No space left on device",
+    )
+    assert _open_descriptors() == before
+
+
+def test_an_error_inside_the_with_is_not_replaced_by_a_failed_close() -> None:
+    before = _open_descriptors()
+    with pytest.raises(KeyError, match="the body's"), CaptureWriter("/dev/full") as writer:
+        writer.write([b"p"], stream="s")
+        raise KeyError("the body's")
+    assert _open_descriptors() == before
+
+
+def test_a_fifo_whose_reader_has_gone_is_a_broken_pipe(tmp_path: Path) -> None:
+    """As a closed stdout: the command ends quietly rather than failing."""
+    fifo = tmp_path / "capture.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    writer = CaptureWriter(fifo)
+    os.close(reader)
+    with pytest.raises(BrokenPipeError) as raised, writer:
+        writer.write([b"p"], stream="s")
+        writer.flush()
+    assert raised.value.filename == str(fifo)
+
+
 def test_a_long_wait_in_an_original_paced_replay_is_logged() -> None:
     """A damaged receive time far in the future would stall the replay silently."""
     records = [

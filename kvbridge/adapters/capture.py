@@ -208,9 +208,13 @@ class CaptureWriter(ClosedOnExit):
             raise
         os.set_blocking(fd, True)
         self._file: IO[bytes] = os.fdopen(fd, "wb")
-        with self._named_errors():
-            self._file.write(MAGIC)
-        self._write(_encoder.encode(_Header("kvcap", VERSION, time.time_ns(), meta or {})))
+        try:
+            with self._named_errors():
+                self._file.write(MAGIC)
+            self._write(_encoder.encode(_Header("kvcap", VERSION, time.time_ns(), meta or {})))
+        except BaseException:
+            self._close_quietly()
+            raise
         self.count = 0
 
     def _write(self, body: bytes) -> None:
@@ -220,12 +224,23 @@ class CaptureWriter(ClosedOnExit):
 
     @contextlib.contextmanager
     def _named_errors(self) -> Iterator[None]:
-        """A write's error, as a :class:`CaptureWriteError` that names the file."""
+        """A write's error, as a :class:`CaptureWriteError` that names the file; a reader
+        of a FIFO that has gone stays a :class:`BrokenPipeError`, which ends a command
+        quietly, as a closed stdout does."""
         try:
             yield
+        except BrokenPipeError as error:
+            raise _named(error, self.path) from error
         except OSError as error:
             strerror = error.strerror or str(error)
             raise CaptureWriteError(error.errno, strerror, str(self.path)) from error
+
+    def _close_quietly(self) -> None:
+        """Close the file (its descriptor is closed even if the last flush fails), ignoring
+        that failure: for when another error is already on its way out, which it must not
+        replace."""
+        with contextlib.suppress(OSError):
+            self._file.close()
 
     def write(
         self,
@@ -246,6 +261,12 @@ class CaptureWriter(ClosedOnExit):
     def close(self) -> None:
         with self._named_errors():
             self._file.close()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            self.close()
+        else:
+            self._close_quietly()
 
 
 class CaptureReader:

@@ -3,17 +3,18 @@
 Exit codes: 0 when the command did its job, 1 for invalid data (``validate`` found a bad frame or
 an unmet requirement; a file that is not a readable capture), a relay that stopped on an error
 in its loop (:func:`.live.loop_failures`) or output that could not be written once the command
-ran (a capture or stdout on a full disk), 2 for bad usage (an argument that
-is wrong, missing, repeated or refused, an endpoint that cannot be bound or connected, a missing
-file, a missing extra). Errors are one line on stderr; a closed stdout (``kvbridge schema |
-head``) ends the command quietly.
+ran (a capture or stdout on a full disk), 2 for bad usage (an argument that is wrong, missing,
+repeated or refused, an endpoint that cannot be bound or connected, a missing file, an output
+file that cannot be created, a missing extra). Errors are one line on stderr; a reader that has
+gone (``kvbridge schema | head``, or of a FIFO given as a capture) ends the command quietly.
 
 The modules: :mod:`.parser` (every command's arguments) with the argument types in
 :mod:`.arguments`; one ``*_command`` module per command (not ``relay.py``: that is the
 :class:`~kvbridge.adapters.relay.Relay` itself); the two features that exist only for the
 command, :mod:`.validation` (``validate``) and :mod:`.watch_view` (``watch``); and what the
 commands share: :mod:`.sockets` (the sockets checked before any is opened), :mod:`.live`
-(sources, stop, metrics), :mod:`.output` and :mod:`.usage` (the errors that exit with 2).
+(sources, stop, metrics), :mod:`.output` (stdout and the log) and :mod:`.usage` (the errors
+that exit with 2).
 """
 
 from __future__ import annotations

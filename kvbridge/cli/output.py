@@ -9,7 +9,7 @@ import sys
 
 import structlog
 
-__all__ = ["OutputError", "configure_logging", "silence_stdout", "write"]
+__all__ = ["OutputError", "configure_logging", "silence_stdout", "stdout_failed", "write"]
 
 
 def configure_logging(log_format: str) -> None:
@@ -48,9 +48,14 @@ def write(text: str) -> bool:
         silence_stdout()
         return False
     except OSError as error:
-        silence_stdout()
-        raise OutputError(f"stdout: {error.strerror or error}") from None
+        raise stdout_failed(error) from None
     return True
+
+
+def stdout_failed(error: OSError) -> OutputError:
+    """The :class:`OutputError` for a write to stdout that raised ``error``, stdout silenced."""
+    silence_stdout()
+    return OutputError(f"stdout: {error.strerror or error}")
 
 
 def silence_stdout() -> None:

@@ -11,7 +11,7 @@ import time
 
 from kvbridge.adapters.relay import Relay
 from kvbridge.cli import live
-from kvbridge.cli.output import write
+from kvbridge.cli.output import stdout_failed, write
 from kvbridge.cli.sockets import check_uses, source_uses
 from kvbridge.cli.watch_view import WatchView, require_rich
 
@@ -45,10 +45,13 @@ def run_watch(args: argparse.Namespace) -> int:
         if sys.stdout.isatty():
             from rich.live import Live
 
-            with Live(auto_refresh=False, vertical_overflow="crop") as screen:
-                while not stop.is_set():
-                    wait()
-                    screen.update(view.renderable(), refresh=True)
+            try:
+                with Live(auto_refresh=False, vertical_overflow="crop") as screen:
+                    while not stop.is_set():
+                        wait()
+                        screen.update(view.renderable(), refresh=True)
+            except OSError as error:  # the terminal went away
+                raise stdout_failed(error) from None
         else:
             width = shutil.get_terminal_size((120, 24)).columns
             while not stop.is_set():
