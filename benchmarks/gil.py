@@ -3,10 +3,12 @@
 
 A router that runs kvbridge's relay in its own process (``Relay.start()``, as a Ray Serve
 replica can) shares the GIL between the relay's thread and the router's decisions. This
-measures a decision's latency, p50 and p99, in short slices that rotate (the order shifts each
-round) between three conditions:
+measures a decision's latency, p50 and p99, in short slices that rotate (each round in another
+of the six orders, so that each condition follows each other as often) between three conditions:
 
-- **alone**: no stream; the relays below wait in their poll;
+- **alone**: no stream; the relays below wait in their poll (they wake every 100 ms to look
+  at their timers; their idle heartbeats are off, so that they do not fall in "alone" and
+  "relay process" slices alone);
 - **relay thread**: a :class:`~kvbridge.adapters.relay.Relay` started with ``Relay.start()``
   in this process relays a stream that another process publishes at ``--rate`` blocks per
   second (250,000 by default) to a sink process; its achieved blocks/s is printed;
@@ -18,8 +20,8 @@ round) between three conditions:
 
 Both relays run for the whole benchmark; a slice's condition is only where the publisher sends
 the stream (to the relay thread's socket, the relay process's, or neither), so conditions switch
-in a moment and rotate every ``--slice`` seconds (0.3 by default), and the first ``--settle``
-seconds of a slice (0.05) are not timed. On this shared guest the p99s move with the machine in
+in a moment: each slice is ``--settle`` seconds (0.05) untimed, then ``--slice`` seconds (0.3)
+of decisions. On this shared guest the p99s move with the machine in
 spells of seconds: slices that short give every condition its share of each spell, where
 windows of seconds, each starting and stopping its relay, gave whichever condition ran in a
 spell all of it (round-by-round ratios of 0.69-1.87 in runs that met the target and in runs
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -110,6 +113,8 @@ _THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 MIN_RATE = 200_000
 """Blocks per second the relay thread must achieve in every slice of its condition."""
 CONDITIONS = ("alone", "thread", "process")
+ORDERS = tuple(itertools.permutations(CONDITIONS))
+"""The rounds' orders, in turn: each condition follows each other equally often."""
 LABELS = {"alone": "alone", "thread": "relay thread", "process": "relay process"}
 WORKERS = 16
 PROMPT_BLOCKS = 512
@@ -265,6 +270,7 @@ def _relay(source: str, out: str) -> Relay:
         block_size=BLOCK_SIZE,
         publish=out,
         output_hwm=0,  # unlimited, as the publisher's: nothing is dropped
+        heartbeat_s=None,  # idle only outside its own slices: it would load the others
     )
 
 
@@ -327,8 +333,7 @@ class ProcessRelay:
 class Slice:
     """One slice's decisions, and the relay's rate during them."""
 
-    def __init__(self, condition: str, timings: Timings, relay_rate: float | None) -> None:
-        self.condition = condition
+    def __init__(self, timings: Timings, relay_rate: float | None) -> None:
         self.timings = timings
         self.relay_rate = relay_rate
 
@@ -370,18 +375,21 @@ class Bench:
         sources = {name: f"tcp://127.0.0.1:{free_port()}" for name in relays}
         outs = {name: f"tcp://127.0.0.1:{free_port()}" for name in relays}
         self.control, control = self.ctx.Pipe()
+        # daemons: a failure while starting the others must not leave them running
         self.publisher = self.ctx.Process(
-            target=publisher, args=(sources, args.blocks, args.seed, control)
+            target=publisher, args=(sources, args.blocks, args.seed, control), daemon=True
         )
         self.publisher.start()
         self.counts: list[int] = self.control.recv()
         self.sink_control, sink_control = self.ctx.Pipe()
-        self.sink = self.ctx.Process(target=sink, args=(list(outs.values()), sink_control))
+        self.sink = self.ctx.Process(
+            target=sink, args=(list(outs.values()), sink_control), daemon=True
+        )
         self.sink.start()
         self.sink_control.recv()
         helper_control, control = self.ctx.Pipe()
         helper = self.ctx.Process(
-            target=relay_process, args=(sources["process"], outs["process"], control)
+            target=relay_process, args=(sources["process"], outs["process"], control), daemon=True
         )
         self.relays: dict[str, ThreadRelay | ProcessRelay] = {
             "thread": ThreadRelay(sources["thread"], outs["thread"]),
@@ -420,9 +428,9 @@ class Bench:
         timings = decisions(self.router, self.args.slice, self.period)
         elapsed = time.perf_counter() - started
         if relay is None:
-            return Slice(condition, timings, None)
+            return Slice(timings, None)
         relayed = self.blocks_through(relay.last_seq()) - self.blocks_through(first)
-        return Slice(condition, timings, relayed / elapsed)
+        return Slice(timings, relayed / elapsed)
 
     def close(self) -> dict[str, tuple[int, int]]:
         """Stops everything; for each relay, the batches published to it and those it relayed."""
@@ -468,8 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=100_000, help="simulated blocks a cycle")
     parser.add_argument("--seed", type=int, default=20_240_601)
     args = parser.parse_args(argv)
-    if args.rounds < args.groups or args.groups < 1:
-        parser.error("--rounds must be at least --groups, and --groups at least 1")
+    if args.groups < 1 or args.rounds < args.groups or args.rounds % args.groups:
+        parser.error("--rounds must be a positive multiple of --groups")
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
@@ -488,9 +496,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         group_size = args.rounds // args.groups
         for round_ in range(args.rounds):
-            shift = round_ % len(CONDITIONS)
-            rounds.append({c: bench.slice(c) for c in CONDITIONS[shift:] + CONDITIONS[:shift]})
-            if (round_ + 1) % group_size == 0 and len(rounds) // group_size <= args.groups:
+            order = ORDERS[round_ % len(ORDERS)]
+            rounds.append({condition: bench.slice(condition) for condition in order})
+            if (round_ + 1) % group_size == 0:
                 group = rounds[-group_size:]
                 print(f"rounds {round_ + 2 - group_size}-{round_ + 1}", flush=True)
                 for condition in CONDITIONS:
@@ -499,8 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         relayed = bench.close()
 
-    groups = [rounds[i * group_size : (i + 1) * group_size] for i in range(args.groups)]
-    groups[-1].extend(rounds[args.groups * group_size :])
+    groups = [rounds[i : i + group_size] for i in range(0, len(rounds), group_size)]
     print("\nover every slice of a condition (range over the groups)")
     pooled: dict[str, Sample] = {}
     by_group: dict[str, list[Sample]] = {}
