@@ -7,8 +7,8 @@ measures a decision's latency, p50 and p99, in short slices that rotate (each ro
 of the six orders, so that each condition follows each other as often) between three conditions:
 
 - **alone**: no stream; the relays below wait in their poll (they wake every 100 ms to look
-  at their timers; their idle heartbeats are off, so that they do not fall in "alone" and
-  "relay process" slices alone);
+  at their timers). Their idle heartbeats are off: the relay thread's would fall only in the
+  slices where it idles, "alone" and "relay process";
 - **relay thread**: a :class:`~kvbridge.adapters.relay.Relay` started with ``Relay.start()``
   in this process relays a stream that another process publishes at ``--rate`` blocks per
   second (250,000 by default) to a sink process; its achieved blocks/s is printed;
@@ -21,12 +21,11 @@ of the six orders, so that each condition follows each other as often) between t
 Both relays run for the whole benchmark; a slice's condition is only where the publisher sends
 the stream (to the relay thread's socket, the relay process's, or neither), so conditions switch
 in a moment: each slice is ``--settle`` seconds (0.05) untimed, then ``--slice`` seconds (0.3)
-of decisions. On this shared guest the p99s move with the machine in
-spells of seconds: slices that short give every condition its share of each spell, where
-windows of seconds, each starting and stopping its relay, gave whichever condition ran in a
-spell all of it (round-by-round ratios of 0.69-1.87 in runs that met the target and in runs
-that did not). The rounds are reported in ``--groups`` consecutive groups (6), whose ranges show
-how far the figures move across the run.
+of decisions. On this shared guest the p99s move with the machine in spells of seconds. Slices
+that short give every condition its share of each spell; windows of seconds, each starting and
+stopping its relay, gave one condition all of a spell (round-by-round ratios of 0.69-1.87, in
+runs that met the target and in runs that did not). The rounds are reported in ``--groups``
+consecutive groups (6), whose ranges show how far the figures move across the run.
 
 One decision is fixed pure-Python work shaped like a KV router's: 16 workers, each with the
 cached prefix of a 512-block prompt as a set of block hashes (8 to 480 blocks), and for each
