@@ -432,7 +432,8 @@ class Bench:
         return Slice(timings, relayed / elapsed)
 
     def close(self) -> dict[str, tuple[int, int]]:
-        """Stops everything; for each relay, the batches published to it and those it relayed."""
+        """Stops everything; for each relay, the batches published to it and those it relayed
+        (the stream is numbered from 0)."""
         self.route("alone")
         time.sleep(0.2)  # the relays drain what is in flight
         relayed = {name: relay.last_seq() for name, relay in self.relays.items()}
@@ -445,7 +446,7 @@ class Bench:
         self.sink_control.recv()
         self.sink.join(10)
         return {
-            name: (published[name], -1 if seq is None else seq) for name, seq in relayed.items()
+            name: (published[name], 0 if seq is None else seq + 1) for name, seq in relayed.items()
         }
 
 
@@ -520,12 +521,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"p99 {us(min(p.p99 for p in parts))}-{us(max(p.p99 for p in parts))}; "
             f"p99 of the decisions neither preempted nor blocked {us(percentile(sample.clean, 99))}"
         )
-    for name, (published, last) in relayed.items():
+    for name, (published, through) in relayed.items():
         rates = pooled[name].rates
         print(
             f"  {LABELS[name]}: {min(rates):,.0f}-{max(rates):,.0f} blocks/s over its slices "
             f"(needed: {MIN_RATE:,}); {published:,} batches published to it, "
-            f"{last + 1:,} relayed"
+            f"{through:,} relayed"
         )
 
     def ratios(top: str, bottom: str) -> tuple[float, list[float]]:

@@ -44,26 +44,18 @@ TIMEOUT = 60.0
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def kvbridge(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-        env=ENV,
-    )
-
-
-def kvbridge_with_stdout(stdout: int, *args: str) -> subprocess.CompletedProcess[str]:
-    """``kvbridge ARGS`` writing its stdout to the descriptor ``stdout``, its stderr captured."""
+def kvbridge(
+    *args: str, timeout: float = TIMEOUT, stdout: int = subprocess.PIPE
+) -> subprocess.CompletedProcess[str]:
+    """``kvbridge ARGS``, its stderr captured, its stdout too unless ``stdout`` names a
+    descriptor to write it to."""
     return subprocess.run(
         [sys.executable, "-m", "kvbridge.cli", *args],
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         check=False,
-        timeout=TIMEOUT,
+        timeout=timeout,
         env=ENV,
     )
 
@@ -711,7 +703,7 @@ def test_a_write_that_fails_names_the_file() -> None:
 def test_a_full_stdout_exits_1_naming_it(args: list[str]) -> None:
     """A report that cannot be written is a failed run, not a misused command."""
     with open("/dev/full", "w") as full:
-        result = kvbridge_with_stdout(full.fileno(), *args)
+        result = kvbridge(*args, stdout=full.fileno())
     assert result.stderr.splitlines()[-1] == (
         f"kvbridge {args[0]}: error: stdout: No space left on device"
     )
@@ -732,7 +724,7 @@ def test_a_closed_stdout_ends_quietly(args: list[str], code: int) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        result = kvbridge_with_stdout(write_end, *args)
+        result = kvbridge(*args, stdout=write_end)
     finally:
         os.close(write_end)
     assert result.stderr == ""

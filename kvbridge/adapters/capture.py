@@ -213,7 +213,8 @@ class CaptureWriter(ClosedOnExit):
                 self._file.write(MAGIC)
             self._write(_encoder.encode(_Header("kvcap", VERSION, time.time_ns(), meta or {})))
         except BaseException:
-            self._close_quietly()
+            with contextlib.suppress(OSError):  # the header's error is the one to report
+                self._file.close()  # closes the descriptor even if its flush fails
             raise
         self.count = 0
 
@@ -235,13 +236,6 @@ class CaptureWriter(ClosedOnExit):
             strerror = error.strerror or str(error)
             raise CaptureWriteError(error.errno, strerror, str(self.path)) from error
 
-    def _close_quietly(self) -> None:
-        """Close the file (its descriptor is closed even if the last flush fails), ignoring
-        that failure: for when another error is already on its way out, which it must not
-        replace."""
-        with contextlib.suppress(OSError):
-            self._file.close()
-
     def write(
         self,
         frames: list[bytes],
@@ -261,12 +255,6 @@ class CaptureWriter(ClosedOnExit):
     def close(self) -> None:
         with self._named_errors():
             self._file.close()
-
-    def __exit__(self, *exc_info: object) -> None:
-        if exc_info[0] is None:
-            self.close()
-        else:
-            self._close_quietly()
 
 
 class CaptureReader:

@@ -52,16 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CaptureError, OutputError) as error:
         print(f"{prefix} {error}", file=sys.stderr)
         return 1
-    except CaptureWriteError as error:
-        print(f"{prefix} {error.filename}: {error.strerror}", file=sys.stderr)
-        return 1
     except zmq.ZMQError as error:
         print(f"{prefix} {socket_error(args, error)}", file=sys.stderr)
         return 2
     except OSError as error:
         where = f"{error.filename}: " if error.filename is not None else ""
         print(f"{prefix} {where}{error.strerror or error}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(error, CaptureWriteError) else 2  # a run cut short, or usage
     except (UsageError, MissingExtra, EndpointError, ValueError) as error:
         print(f"{prefix} {error}", file=sys.stderr)
         return 2
