@@ -38,6 +38,8 @@ from kvbridge.adapters.pipeline import StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.schemas.tiers import Tier
 from kvbridge.schemas.vllm import LAYOUTS, STORED_FIELDS
+from kvbridge.testing.events import TS0, encoded, stored
+from kvbridge.testing.vllm_hashes import block_hashes
 
 SAMPLE = Path(__file__).resolve().parents[1] / "kvbridge" / "data" / "sample.kvcap"
 TIMEOUT = 60.0
@@ -666,6 +668,50 @@ def test_validate_flags_the_end_marker_as_a_seq(tmp_path: Path) -> None:
     assert result.returncode == 1
 
 
+def test_demo_skips_each_badly_framed_record_for_the_reason_validate_gives(
+    tmp_path: Path,
+) -> None:
+    """A record without vLLM's framing is counted by ``demo`` under the reason ``validate``
+    gives it, not decoded from whatever frame it ends with: the prompt whose blocks only such
+    records store stays unindexed, while the well-framed record's prompt is found."""
+    prompts = {"kept": list(range(8)), "skipped": list(range(100, 108))}
+    kept, skipped = (
+        encoded([stored(block_hashes(tokens, 4), tokens, block_size=4)], ts=TS0)
+        for tokens in prompts.values()
+    )
+    seq = (3).to_bytes(8, "big")
+    frames = [
+        [b"", seq, b"\xc1"],  # not msgpack
+        [b"", skipped],  # two frames, the last a good batch
+        [b"", seq, skipped, b""],  # four frames
+        [b"", b"\xff" * 8, skipped],  # the replay protocol's end marker
+        [b"", seq[1:], skipped],  # a 7-byte sequence frame
+        [b"", seq, kept],
+    ]
+    meta = {"block_size": 4, "prompts": [{"name": k, "token_ids": v} for k, v in prompts.items()]}
+    path = header_capture(tmp_path / "framing.kvcap", meta, [[*RECORD[:3], f] for f in frames])
+
+    demo = kvbridge("demo", str(path))
+    validate = kvbridge("validate", "--format", "json", str(path))
+
+    assert demo.returncode == 0, demo.stderr
+    lines = demo.stdout.splitlines()
+    assert lines[0] == (
+        "framing.kvcap: 6 messages, 5 bad (bad_seq 2, frame_count 2, schema 1), block size 4"
+    )
+    assert [line.split() for line in lines[1:]] == [
+        ["worker", "1:", "not", "forwarded:", "none"],
+        [],
+        ["prompt", "blocks", "worker", "dp", "device", "host", "disk"],
+        ["kept", "2", "1", "0", "2", "2", "2"],
+        ["skipped", "2", "-"],
+    ]
+    assert validate.returncode == 1
+    report = msgspec.json.decode(validate.stdout)
+    assert report["summary"] == {"bad_seq": 2, "frame_count": 2, "schema": 1}
+    assert [p["record"] for p in report["problems"]] == [0, 1, 2, 3, 4]
+
+
 def test_validate_names_a_file_whose_name_is_not_utf8_in_json(tmp_path: Path) -> None:
     path = tmp_path / os.fsdecode(b"bad\xffname.kvcap")
     path.write_bytes(SAMPLE.read_bytes())
@@ -928,6 +974,43 @@ def test_replay_keeps_each_stream_apart_and_says_how_to_subscribe(tmp_path: Path
         "again.kvcap: 7 messages, 0 bad, block size 4",
         *sample.stdout.splitlines()[1:3],  # worker 1: ..., worker 2: ...
     ]
+
+
+def test_replay_warns_of_a_socket_without_subscriber_before_it_publishes(tmp_path: Path) -> None:
+    """The warning comes when ``--wait-subscribers`` ends, not when the replay does: this one
+    would take two minutes at the recorded pace, and is stopped once the warnings are out."""
+    port = free_port_range(1)
+    records = [
+        [RECORD[0] + step * 120 * 10**9, *RECORD[1:3], [b"", step.to_bytes(8, "big"), b"\x90"]]
+        for step in (0, 1)
+    ]
+    path = header_capture(tmp_path / "slow.kvcap", {"block_size": 4}, records)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    replay = start("replay", str(path), "--publish", endpoint, "--wait-subscribers", "0.5")
+    assert replay.stderr is not None
+    warnings = []
+    try:
+        for line in replay.stderr:  # ends with the process, if it never warns
+            if "[warning" in line:
+                warnings.append(line.split("] ", 1)[1].rstrip())
+            if len(warnings) == 2:
+                break
+    finally:
+        replay.send_signal(signal.SIGINT)
+    code, _, err = finish(replay)
+    assert warnings[0] == (
+        f"no subscriber on {endpoint} after 0.5 s: is anyone subscribed there? replay connects "
+        f"to {endpoint}, so the subscriber must bind it (both sides binding or both connecting "
+        "deliver nothing)"
+    )
+    assert warnings[1].split() == [
+        "long", "wait:", "the", "capture's", "receive", "times", "are", "this", "far", "apart",
+        "seconds=120.0", "sent=1", f"stream={endpoint}",
+    ]  # fmt: skip
+    assert code == 0, err
+    assert err.splitlines()[-1].split("] ", 1)[1].split() == [
+        "replayed", f"capture={path}", "messages=1", f"publish={endpoint}",
+    ]  # fmt: skip
 
 
 def test_replay_into_the_relay_shows_two_workers(tmp_path: Path) -> None:

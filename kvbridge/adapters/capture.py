@@ -39,6 +39,7 @@ import msgspec
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.replay_protocol import END_SEQ
+from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 
 __all__ = [
@@ -83,8 +84,21 @@ class FrameRecord(msgspec.Struct, array_like=True, frozen=True):
     def seq(self) -> int | None:
         """The vLLM sequence number, if the message has vLLM's three-frame shape and its seq
         frame is one a batch can have (not the replay protocol's end marker, 2**64 - 1)."""
-        if len(self.frames) == 3 and len(self.frames[1]) == 8 and self.frames[1] != END_SEQ:
+        if self.framing_error is None:
             return int.from_bytes(self.frames[1], "big")
+        return None
+
+    @property
+    def framing_error(self) -> tuple[BadFrame, str] | None:
+        """Why the message is not a vLLM batch whatever its payload, if it is not: the reason
+        it counts under, as a live message's would, and what is wrong. Every reader of a
+        capture (the pipeline, ``validate``) skips such a record for the same reason."""
+        if len(self.frames) != 3:
+            return BadFrame.FRAME_COUNT, f"expected 3 frames, got {len(self.frames)}"
+        if len(self.frames[1]) != 8:
+            return BadFrame.BAD_SEQ, f"sequence frame has {len(self.frames[1])} bytes, expected 8"
+        if self.frames[1] == END_SEQ:
+            return BadFrame.BAD_SEQ, "sequence frame is 2**64 - 1, the replay protocol's end marker"
         return None
 
 

@@ -8,7 +8,7 @@ import contextlib
 import heapq
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Literal
 
 import msgspec
@@ -39,6 +39,7 @@ def replay_streams(
     pace: Literal["original", "max"] = "original",
     wait_subscribers: float = 5.0,
     stop: threading.Event | None = None,
+    no_subscriber: Callable[[str], None] | None = None,
 ) -> list[StreamReplay]:
     """Publish each stream's frames on a PUB socket of its own, byte for byte.
 
@@ -48,7 +49,9 @@ def replay_streams(
     stream's own order kept): ``pace="original"`` keeps the recorded gaps between them, ``"max"``
     sends as fast as the sockets take them. Waits up to ``wait_subscribers`` seconds in all for a
     first subscriber on every socket, since a PUB socket drops what it sends before anyone
-    listens.
+    listens; ``no_subscriber`` is called with the endpoint of each that has none when the wait
+    ends (unless ``stop`` ended it), before anything is sent: a replay at the recorded pace may
+    take hours to finish.
     """
     results = [StreamReplay(endpoint) for endpoint, _ in streams]
     with contextlib.ExitStack() as sockets:
@@ -60,6 +63,11 @@ def replay_streams(
             result.subscribed = wait_subscribers > 0 and _wait_for_subscriber(
                 publisher, deadline, stop
             )
+        stopped = stop is not None and stop.is_set()  # a wait cut short says nothing
+        if no_subscriber is not None and wait_subscribers > 0 and not stopped:
+            for result in results:
+                if not result.subscribed:
+                    no_subscriber(result.endpoint)
         ordered = in_receipt_order([records for _, records in streams])
         start = time.monotonic()
         first_ns = min((records[0].received_ns for _, records in streams if records), default=0)

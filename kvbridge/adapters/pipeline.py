@@ -193,11 +193,23 @@ class StreamPipeline:
             self.feed_batch(item.source, item.payload, item.seq)
 
     def feed_record(self, record: FrameRecord, *, decoded: VllmBatch | None = None) -> None:
-        """A capture record: its last frame is the payload. ``decoded`` is that payload already
-        decoded, by a caller that inspects batches itself (``kvbridge validate``)."""
-        payload = record.frames[-1] if record.frames else b""
-        batch = payload if decoded is None else decoded
-        self.feed_batch(record_source(record), batch, record.seq)
+        """A capture record: its third frame is the payload. ``decoded`` is that payload
+        already decoded, by a caller that inspects batches itself (``kvbridge validate``).
+
+        A record without vLLM's framing (three frames, a sequence number a batch can have) is
+        counted, logged and skipped for the reason a live message's would be
+        (:attr:`FrameRecord.framing_error <kvbridge.adapters.capture.FrameRecord.framing_error>`),
+        not decoded from whatever frame it ends with."""
+        source = record_source(record)
+        framing = record.framing_error
+        if framing is not None:
+            self.stats.batches_in += 1
+            reason, error = framing
+            skip_bad_frame(
+                self.stats.bad_frames, self._warn, source.endpoint, reason, None, error=error
+            )
+            return
+        self.feed_batch(source, record.frames[2] if decoded is None else decoded, record.seq)
 
     def feed_batch(
         self, source: Source, batch: bytes | memoryview | VllmBatch, seq: int | None

@@ -40,9 +40,10 @@ class BadFrame(StrEnum):
     ``kvbridge_bad_frames_total``."""
 
     FRAME_COUNT = "frame_count"
-    """A live message without exactly three frames."""
+    """A message without exactly three frames (live, or a capture's record)."""
     BAD_SEQ = "bad_seq"
-    """A sequence frame that is not 8 bytes."""
+    """A sequence frame that is not 8 bytes, or a capture record's that is the replay
+    protocol's end marker (2**64 - 1)."""
     OVERSIZED = "oversized"
     """A frame over ``max_frame_bytes``."""
     SEQ_JUMP = "seq_jump"
@@ -104,8 +105,9 @@ def skip_bad_frame(
 
 
 def bad_frames(*stats: SubscriberStats | PipelineStats) -> Counter[BadFrame]:
-    """The frames skipped, by reason, over the subscriber's and the pipeline's counts (which
-    never share a reason). Read from a scrape's thread too: each count is copied whole (under
+    """The frames skipped, by reason, over the subscriber's and the pipeline's counts (a
+    frame is counted by one of them: the pipeline sees the messages the subscriber passed).
+    Read from a scrape's thread too: each count is copied whole (under
     the GIL) before it is walked, as the loop may add a reason meanwhile."""
     total: Counter[BadFrame] = Counter()
     for counts in stats:
@@ -147,7 +149,8 @@ class PipelineStats:
     """Canonical payloads published (a relay merges the consecutive batches of an output
     that queued up, so during a backlog fewer go out than come in)."""
     bad_frames: Counter[BadFrame] = field(default_factory=Counter)
-    """Payloads skipped, by reason (:attr:`BadFrame.SCHEMA`)."""
+    """Payloads skipped, by reason: :attr:`BadFrame.SCHEMA`, and a capture record's framing
+    (:attr:`BadFrame.FRAME_COUNT`, :attr:`BadFrame.BAD_SEQ`)."""
 
 
 @dataclass

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from kvbridge.adapters.capture import CaptureReader
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
-from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.cli.output import write
 
@@ -33,8 +32,11 @@ def run_demo(args: argparse.Namespace) -> int:
     pipeline = StreamPipeline(block_size, sinks=[IndexSink(index)])
     for record in reader:
         pipeline.feed_record(record)  # a bad frame is logged, counted and skipped
-    messages, bad = pipeline.stats.batches_in, pipeline.stats.bad_frames[BadFrame.SCHEMA]
-    lines = [f"{path.name}: {messages} messages, {bad} bad, block size {block_size}"]
+    messages, bad_frames = pipeline.stats.batches_in, pipeline.stats.bad_frames
+    bad = f"{bad_frames.total()} bad"
+    if bad_frames:
+        bad += f" ({', '.join(f'{k} {v}' for k, v in sorted(bad_frames.items()))})"
+    lines = [f"{path.name}: {messages} messages, {bad}, block size {block_size}"]
     for worker_id, worker in sorted(pipeline.workers.items()):
         normalizer = worker.normalizer
         drops = ", ".join(f"{k}={v}" for k, v in sorted(normalizer.stats.items())) or "none"

@@ -65,10 +65,10 @@ def run_replay(args: argparse.Namespace) -> int:
         pace=args.pace,
         wait_subscribers=args.wait_subscribers,
         stop=live.until(args),
+        no_subscriber=lambda endpoint: log.warning(
+            _no_subscriber(endpoint, mode, args.wait_subscribers)
+        ),
     )
-    for result in results:
-        if args.wait_subscribers > 0 and not result.subscribed:
-            log.warning(_no_subscriber(result.endpoint, mode, args.wait_subscribers))
     sent = sum(result.sent for result in results)
     log.info("replayed", capture=args.capture, messages=sent, publish=publish.address)
     return 0

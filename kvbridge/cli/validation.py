@@ -120,16 +120,6 @@ class _Stream:
         return added
 
 
-def _check_frames(record: FrameRecord) -> tuple[str, str] | None:
-    if len(record.frames) != 3:
-        return "frame_count", f"expected 3 frames, got {len(record.frames)}"
-    if len(record.frames[1]) != 8:
-        return "bad_seq", f"sequence frame has {len(record.frames[1])} bytes, expected 8"
-    if record.seq is None:
-        return "bad_seq", "sequence frame is 2**64 - 1, the replay protocol's end marker"
-    return None
-
-
 def validate_captures(
     paths: Iterable[str | Path],
     *,
@@ -162,9 +152,9 @@ def validate_captures(
             frames += 1
             stream = streams.setdefault(record.worker_id, _Stream(record.worker_id, size))
             where = Problem(name, index, record.stream, record.worker_id, "", "", seq=record.seq)
-            framing = _check_frames(record)
+            framing = record.framing_error
             if framing is not None:
-                problems.append(replace(where, reason=framing[0], message=framing[1]))
+                problems.append(replace(where, reason=framing[0].value, message=framing[1]))
                 invalid.add((name, index))
                 continue
             try:
