@@ -44,6 +44,9 @@ TIMEOUT = 5.0
 A, B, C, D = ([10 * k + i for i in range(BS)] for k in range(1, 5))
 """Token blocks: A+B and C+D are two-block prompts."""
 
+SOURCE = Source("tcp://*:1", None, 1)
+"""A source for the tests that feed the pipeline directly."""
+
 
 # --------------------------------------------------------------------------- helpers
 
@@ -280,6 +283,49 @@ def test_a_bad_first_frame_of_an_uncleared_source() -> None:
     assert recorder.shapes() == [(1, [(1, 2, "cleared")] * CLEARS + [(1, 2, "stored")])]
     assert pipeline.workers[1].uncleared == set()
     assert pipeline.workers[1].ranks == {source: {2}}
+
+
+@pytest.mark.parametrize(
+    ("resets", "clears", "extension"),
+    [
+        ([StreamReset(SOURCE, "restart", checked=False)], 1, "reanchored"),
+        ([StreamReset(SOURCE, "restart", checked=False), StreamReset(SOURCE, "lost", 3)], 1,
+         "reanchored"),
+        ([StreamReset(SOURCE, "lost", 3), StreamReset(SOURCE, "restart")], 2, "dropped"),
+        ([StreamReset(SOURCE, "restart"), StreamReset(SOURCE, "lost", 3)], 1, "dropped"),
+        ([StreamReset(SOURCE, "restart"), StreamReset(SOURCE, "restart", checked=False)], 1,
+         "dropped"),
+    ],
+    ids=["unchecked", "unchecked, lost", "lost, restart", "restart, lost", "restart, unchecked"],
+)  # fmt: skip
+def test_resets_before_a_batch_clear_once_and_keep_identities_unless_a_restart_is_checked(
+    resets: list[StreamReset], clears: int, extension: str
+) -> None:
+    """A restart the publisher check could not confirm keeps the worker's identities, as a
+    loss does, so the chain A+B is announced again by a store that extends it; a checked
+    restart forgets them, so that store's parent is unknown. A reset that follows another
+    before any batch clears again only to forget what the first kept."""
+    recorder = Recorder()
+    pipeline = StreamPipeline(BS, sinks=[recorder])
+    pipeline.feed(Message(SOURCE, 0, b"", encoded([store(A, B, hashes=[1, 2])]), 0))
+    for reset in resets:
+        pipeline.feed(reset)
+    pipeline.feed(Message(SOURCE, 4, b"", encoded([stored([3], C, parent=2)]), 0))
+
+    reanchored = extension == "reanchored"
+    assert recorder.shapes() == [
+        (1, [(1, 0, "stored")]),
+        *[(1, [(1, 0, "cleared")] * CLEARS)] * clears,
+        *([(1, [(1, 0, "stored")])] if reanchored else []),
+    ]
+    stored_blocks = [
+        [len(e.event.data.stored.blocks) for e in events if e.event.data != "cleared"]
+        for _, events, _ in recorder.seen
+    ]
+    assert stored_blocks == [[2], *[[]] * clears, *([[3]] if reanchored else [])]
+    normalizer = pipeline.workers[1].normalizer
+    assert normalizer.reanchored_blocks == (2 if reanchored else 0)
+    assert dict(normalizer.stats) == ({} if reanchored else {"orphan_parent": 1})
 
 
 # --------------------------------------------------------------------------- shared normalizer

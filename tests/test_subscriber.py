@@ -770,6 +770,68 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
     )
 
 
+def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_on(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A check that goes unanswered cannot tell the same process going on from a new one. The
+    worker is cleared as for a new process, once (not again for the batch the back-off keeps
+    from being replayed), but what its engine hashes stand for is kept: the same process's
+    next store, on a chain it holds, announces that chain again, and the whole conversation is
+    found downstream, not only its new turn."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    prefix, turn = list(range(12)), list(range(100, 104))
+    hashes = block_hashes(prefix + turn, BS)
+    engine = engine_on(ctx, base, serve=False)
+    first = engine()
+    index = TieredIndex(BS)
+    with Relay([source], block_size=BS, index=index, context=ctx, replay_timeout=0.3) as relay:
+        seen = spy(relay.subscriber)
+        stats = relay.subscriber.stats
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        first.publish(encoded([stored(hashes[:3], prefix)], ts=TS0))
+        deliver(relay, source, 0)
+        first.publish(encoded([removed([hashes[2]])], ts=TS0 + 1))
+        first.publish(encoded([stored(hashes[2:3], prefix[8:], parent=hashes[1])], ts=TS0 + 2))
+        deliver(relay, source, 2)
+        before = overlaps(index, [prefix + turn])
+        first.close()
+        listener_gone(base)
+        wait_until(lambda: stats.disconnects, lambda: relay.step(20))
+        with bound_again(engine) as second:
+            for _ in range(3):
+                second.publish(b"", send=False)  # the same process's sequence goes on at 3
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            second.publish(encoded([stored(hashes[3:], turn, parent=hashes[2])], ts=TS0 + 3))
+            deliver(relay, source, 3)
+        normalizer = relay.pipeline.worker(1).normalizer
+        reanchored, drops = normalizer.reanchored_blocks, dict(normalizer.stats)
+        final = deepcopy(stats)
+
+    assert before == [{(1, 0): (3, 3, 3)}]
+    assert overlaps(index, [prefix + turn, prefix]) == [{(1, 0): (4, 4, 4)}, {(1, 0): (3, 3, 3)}]
+    assert shape(seen) == [
+        (0, False),
+        (1, False),
+        (2, False),
+        ("restart", 0),
+        ("lost", 3),
+        (3, False),
+    ]
+    assert [item.checked for item in seen if isinstance(item, StreamReset)] == [False, True]
+    assert (reanchored, drops) == (3, {})
+    assert final == SubscriberStats(
+        messages=4,
+        disconnects=1,
+        reconnect_checks=1,
+        replays=1,
+        replay_timeouts=1,
+        replays_skipped=2,
+        restarts=1,
+        lost=3,
+    )
+
+
 # --------------------------------------------------------------------------- 2. restart
 
 

@@ -112,7 +112,7 @@ class WorkerState:
     """One worker's normalizer, shared by its sources (one per dp rank), and what the pipeline
     remembers per source to reset exactly what that source delivered."""
 
-    __slots__ = ("lag", "layout_ranks", "normalizer", "ranks", "uncleared")
+    __slots__ = ("cleared", "lag", "layout_ranks", "normalizer", "ranks", "uncleared")
 
     def __init__(self, normalizer: Normalizer) -> None:
         self.normalizer = normalizer
@@ -125,6 +125,11 @@ class WorkerState:
         self.uncleared: set[Source] = set()
         """Sources reset before any batch named their rank: the first one that does is
         preceded by a clear of that rank, since a consumer may hold its blocks from before."""
+        self.cleared: dict[Source, tuple[list[int], bool]] = {}
+        """Sources reset since their last batch: the ranks that reset cleared, and whether it
+        kept their identities. A further reset before a batch has nothing new to clear
+        downstream; it only makes the normalizer forget what a kept clear remembered, if it
+        is a checked restart."""
         self.lag = 0.0
         """Seconds between the engine step and its batch reaching the pipeline, last batch."""
 
@@ -237,17 +242,34 @@ class StreamPipeline:
         assert ts is not None and rank is not None  # a batch's result names its batch
         if uncleared:
             worker.uncleared.discard(source)
+        worker.cleared.pop(source, None)
         worker.ranks.setdefault(source, set()).add(rank)
         worker.lag = max(0.0, time.time() - ts)
         self._emit(source, normalized, ts)
 
     def feed_reset(self, reset: StreamReset) -> None:
         """Clear the ranks ``reset.source`` delivered, or, if it delivered none yet, mark it
-        uncleared so that its first batch clears its rank."""
+        uncleared so that its first batch clears its rank.
+
+        Batches lost for good, or a restart that the publisher check could not confirm
+        (:attr:`~kvbridge.adapters.source.StreamReset.checked`), leave the engine's blocks
+        unknown downstream, not different: the identities are kept, so that the next store on
+        a known chain announces it again. A restart the sequence or the check showed forgets
+        them. A source reset again before its next batch (a restart, then the loss of the
+        batches its replay could not deliver) is not cleared twice (see
+        :attr:`WorkerState.cleared`)."""
         source = reset.source
         worker = self.worker(source.worker_id)
-        ranks = worker.ranks.pop(source, set())
-        if not ranks:
+        keep = reset.reason != "restart" or not reset.checked
+        ranks = sorted(worker.ranks.pop(source, ()))
+        if ranks:
+            worker.cleared[source] = (ranks, keep)
+        elif source in worker.cleared:
+            cleared, kept = worker.cleared[source]
+            if kept and not keep:
+                ranks = cleared
+                worker.cleared[source] = (ranks, keep)
+        else:
             worker.uncleared.add(source)
         self._warn(
             "worker cleared",
@@ -258,12 +280,8 @@ class StreamPipeline:
             lost_batches=reset.lost_batches,
         )
         now = time.time()
-        # Batches lost for good (or a reset for any reason but a restart the sequence showed)
-        # leave the engine's blocks unknown downstream, not different: the identities are kept,
-        # so the next store on a known chain re-announces it.
-        lost = reset.reason != "restart"
-        for rank in sorted(ranks):
-            self._emit(source, worker.normalizer.process_reset(rank, keep_identities=lost), now)
+        for rank in ranks:
+            self._emit(source, worker.normalizer.process_reset(rank, keep_identities=keep), now)
 
     def snapshot(self, source: Source) -> list[NormalizedBatch]:
         """Everything ``source`` delivered, for a consumer that knows nothing: per dp rank it

@@ -14,7 +14,10 @@ message it reads comes here with its source's
 - **after a reconnect**, the publisher is checked
   (:meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`) as soon as the SUB
   is connected again (:meth:`Sequencer.catch_up`), or by a message that continues the
-  sequence before that: a new process is a restart, whatever its sequence numbers say;
+  sequence before that: a new process is a restart, whatever its sequence numbers say. So is
+  a check that goes unanswered, since consistency comes first, but its reset is marked
+  unchecked (:attr:`~kvbridge.adapters.source.StreamReset.checked`): the same process may be
+  going on, and the consumer keeps its block identities;
 - **sequence jumps**: a forward jump of more than ``max_gap`` is bad input (``seq_jump``),
   skipped, not a replay of 10**22 batches. If the next message continues from the jump, the
   stream did move there: it is *resynchronized* (``resyncs``), a :class:`StreamReset`
@@ -142,15 +145,18 @@ class Sequencer:
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
 
-    def _restarted(self, stream: StreamState, seq: int | None) -> StreamReset:
-        """The ``"restart"`` reset of a stream whose publisher is a new process, counted and
-        logged; the stream starts afresh. The caller has checked the token."""
+    def _restarted(
+        self, stream: StreamState, seq: int | None, *, checked: bool = True
+    ) -> StreamReset:
+        """The ``"restart"`` reset of a stream whose publisher is a new process (or, not
+        ``checked``, may be: its check went unanswered), counted and logged; the stream starts
+        afresh. The caller has checked the token."""
         self.stats.restarts += 1
         endpoint = stream.source.endpoint
         self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=stream.last)
         stream.last = None
         stream.live_last = stream.replayed_through = -1
-        return stream.reset("restart")
+        return stream.reset("restart", checked=checked)
 
     def _replaced_after_clear(self, stream: StreamState, seq: int) -> None:
         """Log a new process found as its stream starts over after a loss's clear. That clear
@@ -199,7 +205,7 @@ class Sequencer:
         if not stream.may_clear():
             stream.suspend(self.warn, "restart", resume_from=0)
             return []
-        reset = self._restarted(stream, None)
+        reset = self._restarted(stream, None, checked=same is False)
         return [reset, *(yield from self.replay.recover(stream, 0, None))]
 
     def receive(
@@ -260,7 +266,7 @@ class Sequencer:
             if not stream.may_clear():
                 self._suspend(stream, seq, resume_from=0)  # a new process: its batches from 0
                 return out
-            out.append(self._restarted(stream, seq))
+            out.append(self._restarted(stream, seq, checked=not unanswered))
             last = None
         expected = 0 if last is None else last + 1
         if seq > expected:

@@ -62,3 +62,8 @@ class StreamReset(msgspec.Struct, frozen=True):
     reason: ResetReason
     lost_batches: int = 0
     """For ``"lost"``: batches that no replay could recover (a lower bound if unknown)."""
+    checked: bool = True
+    """``False`` for a ``"restart"`` taken from a publisher check that went unanswered: the
+    publisher may as well be the same process going on, so a consumer keeps what the worker's
+    engine hashes stand for, as after a loss (a new process's hashes do not name other
+    blocks than an old one's did)."""

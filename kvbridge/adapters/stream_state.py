@@ -138,11 +138,12 @@ class StreamState:
         self.tokens_at = now
         return self.tokens >= 1
 
-    def reset(self, reason: ResetReason, lost: int = 0) -> StreamReset:
+    def reset(self, reason: ResetReason, lost: int = 0, *, checked: bool = True) -> StreamReset:
         """A reset of this stream, which takes a token; the caller has checked
-        :meth:`may_clear`."""
+        :meth:`may_clear` (``checked``: see :attr:`StreamReset.checked
+        <kvbridge.adapters.source.StreamReset.checked>`)."""
         self.tokens -= 1
-        return StreamReset(self.source, reason, lost)
+        return StreamReset(self.source, reason, lost, checked)
 
     @property
     def suspended_by_restart(self) -> bool:
