@@ -44,13 +44,19 @@ from support.reference import dump_rows, index_of, overlaps
 from support.relay_faults import fault
 
 from kvbridge import TieredIndex
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
-from kvbridge.adapters.subscriber import DEFAULT_CLEAR_INTERVAL_S, MAX_FRAME_BYTES, Subscriber
+from kvbridge.adapters.subscriber import (
+    DEFAULT_CLEAR_INTERVAL_S,
+    DEFAULT_MAX_GAP,
+    MAX_FRAME_BYTES,
+    Subscriber,
+)
 from kvbridge.cli.watch_view import COLUMNS, WatchView
 from kvbridge.schemas.vllm import Event
 from kvbridge.testing.events import TS0, encoded, removed, stored
@@ -714,10 +720,53 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
         final = deepcopy(stats)
 
     assert shape(items) == [("lost", 4), (4, True), (5, True), ("restart", 0)]
+    assert [item.checked for item in items if isinstance(item, StreamReset)] == [True, True]
     counts = {"messages": 1, "duplicates": 1, "disconnects": 1, "reconnect_checks": 1}
     counts |= {"replays": 2, "replayed": 2, "lost": 4}
     assert suspended == SubscriberStats(**counts)
     assert final == SubscriberStats(**counts, restarts=1)
+
+
+def test_an_unanswered_check_that_waits_for_a_clear_token_still_keeps_identities(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The catch-up's publisher check goes unanswered while the stream's one clear token is
+    spent (on the loss at its start, whose replay went unanswered too): the stream is
+    suspended, and the clear that ends it when the token is back is an unchecked restart, as
+    the immediate one would have been."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+
+    engine = engine_on(ctx, base, serve=False)
+    first = engine()
+    with Subscriber(
+        [source], context=ctx, replay_timeout=0.3, clear_burst=1, clear_interval=3.0
+    ) as subscriber:
+        stats = subscriber.stats
+        first.publish(VALID, send=False)
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        first.publish(VALID)  # seq 1: 0 is asked for, unanswered, lost: the token spent
+        items = receive(subscriber, 1)
+        first.close()
+        listener_gone(base)
+        items += poll_until(subscriber, lambda: stats.disconnects)
+        with bound_again(engine) as second:
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            items += poll_until(subscriber, lambda: subscriber.suspended(source))
+            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+        final = deepcopy(stats)
+
+    assert shape(items) == [("lost", 1), (1, False), ("restart", 0)]
+    assert [item.checked for item in items if isinstance(item, StreamReset)] == [True, False]
+    assert final == SubscriberStats(
+        messages=1,
+        disconnects=1,
+        reconnect_checks=1,
+        replays=2,
+        replay_timeouts=2,
+        restarts=1,
+        lost=1,
+    )
 
 
 def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
@@ -770,14 +819,20 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
     )
 
 
+@pytest.mark.parametrize(
+    ("max_gap", "after"),
+    [(DEFAULT_MAX_GAP, [("lost", 3)]), (2, [("restart", 0)])],
+    ids=["loss", "resync"],
+)
 def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_on(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]], max_gap: int, after: list[tuple[str, int]]
 ) -> None:
     """A check that goes unanswered cannot tell the same process going on from a new one. The
-    worker is cleared as for a new process, once (not again for the batch the back-off keeps
-    from being replayed), but what its engine hashes stand for is kept: the same process's
-    next store, on a chain it holds, announces that chain again, and the whole conversation is
-    found downstream, not only its new turn."""
+    worker is cleared as for a new process, and only once: not again for the batches the
+    back-off keeps from being replayed from 0, a loss (or, past ``max_gap``, a resync). What
+    its engine hashes stand for is kept: the same process's next store, on a chain it holds,
+    announces that chain again, and the whole conversation is found downstream, not only its
+    new turn."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
     prefix, turn = list(range(12)), list(range(100, 104))
@@ -785,41 +840,43 @@ def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_o
     engine = engine_on(ctx, base, serve=False)
     first = engine()
     index = TieredIndex(BS)
-    with Relay([source], block_size=BS, index=index, context=ctx, replay_timeout=0.3) as relay:
-        seen = spy(relay.subscriber)
-        stats = relay.subscriber.stats
+    pipeline = StreamPipeline(BS, sinks=[IndexSink(index)])
+    seen: list[Message | StreamReset] = []
+    with Subscriber([source], context=ctx, replay_timeout=0.3, max_gap=max_gap) as subscriber:
+        stats = subscriber.stats
+
+        def feed(seq: int) -> None:
+            def step() -> None:
+                for item in subscriber.poll(20):
+                    seen.append(item)
+                    pipeline.feed(item)
+
+            wait_until(lambda: subscriber.last_seq(source) == seq, step, lambda: shape(seen))
+
         assert first.wait_for_subscribers(timeout=TIMEOUT)
         first.publish(encoded([stored(hashes[:3], prefix)], ts=TS0))
-        deliver(relay, source, 0)
         first.publish(encoded([removed([hashes[2]])], ts=TS0 + 1))
         first.publish(encoded([stored(hashes[2:3], prefix[8:], parent=hashes[1])], ts=TS0 + 2))
-        deliver(relay, source, 2)
+        feed(2)
         before = overlaps(index, [prefix + turn])
         first.close()
         listener_gone(base)
-        wait_until(lambda: stats.disconnects, lambda: relay.step(20))
+        seen += poll_until(subscriber, lambda: stats.disconnects)
         with bound_again(engine) as second:
             for _ in range(3):
                 second.publish(b"", send=False)  # the same process's sequence goes on at 3
             assert second.wait_for_subscribers(timeout=TIMEOUT)
             second.publish(encoded([stored(hashes[3:], turn, parent=hashes[2])], ts=TS0 + 3))
-            deliver(relay, source, 3)
-        normalizer = relay.pipeline.worker(1).normalizer
-        reanchored, drops = normalizer.reanchored_blocks, dict(normalizer.stats)
+            feed(3)
         final = deepcopy(stats)
 
+    normalizer = pipeline.workers[1].normalizer
     assert before == [{(1, 0): (3, 3, 3)}]
     assert overlaps(index, [prefix + turn, prefix]) == [{(1, 0): (4, 4, 4)}, {(1, 0): (3, 3, 3)}]
-    assert shape(seen) == [
-        (0, False),
-        (1, False),
-        (2, False),
-        ("restart", 0),
-        ("lost", 3),
-        (3, False),
-    ]
+    assert (normalizer.reanchored_blocks, dict(normalizer.stats)) == (3, {})
+    assert shape(seen) == [(0, False), (1, False), (2, False), ("restart", 0), *after, (3, False)]
     assert [item.checked for item in seen if isinstance(item, StreamReset)] == [False, True]
-    assert (reanchored, drops) == (3, {})
+    lost = {"lost": 3} if after == [("lost", 3)] else {"resyncs": 1}
     assert final == SubscriberStats(
         messages=4,
         disconnects=1,
@@ -828,7 +885,7 @@ def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_o
         replay_timeouts=1,
         replays_skipped=2,
         restarts=1,
-        lost=3,
+        **lost,
     )
 
 
@@ -1435,6 +1492,10 @@ def test_a_bound_subscriber_checks_each_new_peer(ctx: zmq.Context[zmq.Socket[byt
         (7, False),
         ("restart", 0),
     ]
+    # The first restart is an unanswered check's (the peer's replay socket went with it), the
+    # second a new process's empty replay.
+    checked = [item.checked for item in items if isinstance(item, StreamReset)]
+    assert checked == [False, True, True]
     assert final == SubscriberStats(
         messages=8,
         disconnects=1,

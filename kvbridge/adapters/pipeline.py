@@ -125,11 +125,9 @@ class WorkerState:
         self.uncleared: set[Source] = set()
         """Sources reset before any batch named their rank: the first one that does is
         preceded by a clear of that rank, since a consumer may hold its blocks from before."""
-        self.cleared: dict[Source, tuple[list[int], bool]] = {}
-        """Sources reset since their last batch: the ranks that reset cleared, and whether it
-        kept their identities. A further reset before a batch has nothing new to clear
-        downstream; it only makes the normalizer forget what a kept clear remembered, if it
-        is a checked restart."""
+        self.cleared: set[Source] = set()
+        """Sources whose ranks a reset cleared, with no batch since: a further reset has
+        nothing new to clear downstream, and leaves the identities as the first one did."""
         self.lag = 0.0
         """Seconds between the engine step and its batch reaching the pipeline, last batch."""
 
@@ -242,7 +240,7 @@ class StreamPipeline:
         assert ts is not None and rank is not None  # a batch's result names its batch
         if uncleared:
             worker.uncleared.discard(source)
-        worker.cleared.pop(source, None)
+        worker.cleared.discard(source)
         worker.ranks.setdefault(source, set()).add(rank)
         worker.lag = max(0.0, time.time() - ts)
         self._emit(source, normalized, ts)
@@ -256,20 +254,17 @@ class StreamPipeline:
         unknown downstream, not different: the identities are kept, so that the next store on
         a known chain announces it again. A restart the sequence or the check showed forgets
         them. A source reset again before its next batch (a restart, then the loss of the
-        batches its replay could not deliver) is not cleared twice (see
-        :attr:`WorkerState.cleared`)."""
+        batches its replay could not deliver) is not cleared twice, and keeps the identities
+        the first reset kept: those are never wrong to keep (a block's canonical identity is a
+        function of its content, and no engine hash names two contents), only of no further
+        use."""
         source = reset.source
         worker = self.worker(source.worker_id)
         keep = reset.reason != "restart" or not reset.checked
         ranks = sorted(worker.ranks.pop(source, ()))
         if ranks:
-            worker.cleared[source] = (ranks, keep)
-        elif source in worker.cleared:
-            cleared, kept = worker.cleared[source]
-            if kept and not keep:
-                ranks = cleared
-                worker.cleared[source] = (ranks, keep)
-        else:
+            worker.cleared.add(source)
+        elif source not in worker.cleared:
             worker.uncleared.add(source)
         self._warn(
             "worker cleared",

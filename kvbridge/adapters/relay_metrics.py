@@ -55,8 +55,8 @@ METRICS: dict[str, str] = {
     "clear an output opens with), heartbeat, snapshot (answers to replays older than the buffer)",
     "kvbridge_state_evictions_total": "State given up to stay within the caps, by kind: ranks, "
     "blocks, context_compactions",
-    "kvbridge_reanchored_blocks_total": "Blocks announced again after a loss, re-anchored by a "
-    "store naming them as ancestors",
+    "kvbridge_reanchored_blocks_total": "Blocks announced again after a loss (or a restart the "
+    "publisher check could not confirm), re-anchored by a store naming them as ancestors",
     "kvbridge_tracked_blocks": "Engine hashes the state holds per worker, by state: live, retired",
     "kvbridge_lag_seconds": "Time from the engine step to the relay, last batch per worker",
     "kvbridge_resident_blocks": "Distinct blocks resident per worker, dp rank and tier",

@@ -155,7 +155,8 @@ class ReplayClient:
         """After a reconnect: whether the publisher is the one that delivered batch ``last``,
         and the replay from ``last``. ``True`` if the replay's first batch is that batch (the
         same publisher, so the replay fills what the drop cost), ``False`` if it is another
-        (a new process), ``None`` if no answer came to tell. Without a replay endpoint the
+        (a new process: so is an empty replay, since the same process would hold ``last`` or
+        what came after it), ``None`` if no answer came to tell. Without a replay endpoint the
         publisher is taken as the same: a gap then counts as lost and clears downstream. The
         check is asked for within a back-off too: it decides whether the worker is cleared."""
         self.stats.reconnect_checks += 1
@@ -163,9 +164,12 @@ class ReplayClient:
             return True, []
         answer = yield Fetch(stream, last, in_back_off=True)
         endpoint = stream.source.endpoint
-        if not answer:
+        if not answer and stream.replay_failures:  # timed out, or could not be sent
             self.warn("publisher check unanswered", (endpoint,), stream=endpoint, last=last)
             return None, answer
+        if not answer:
+            self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last, replay=0)
+            return False, answer
         if answer[0].seq == last and answer[0].payload == stream.last_payload:
             return True, answer
         self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last)

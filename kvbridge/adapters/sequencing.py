@@ -88,10 +88,12 @@ class Sequencer:
             return None
         return seq
 
-    def _suspend(self, stream: StreamState, seq: int, resume_from: int | None = None) -> None:
+    def _suspend(
+        self, stream: StreamState, seq: int, resume_from: int | None = None, *, checked: bool = True
+    ) -> None:
         """No token for the clear a restart or a jump needs: skip until one is back, then
         resync (and replay from ``resume_from``)."""
-        stream.suspend(self.warn, "restart", seq, resume_from=resume_from)
+        stream.suspend(self.warn, "restart", seq, resume_from=resume_from, checked=checked)
         self.stats.bad_frames[BadFrame.THROTTLED] += 1
 
     def _resync(
@@ -203,7 +205,7 @@ class Sequencer:
         if same is False:
             stream.end_replay_back_off()
         if not stream.may_clear():
-            stream.suspend(self.warn, "restart", resume_from=0)
+            stream.suspend(self.warn, "restart", resume_from=0, checked=same is False)
             return []
         reset = self._restarted(stream, None, checked=same is False)
         return [reset, *(yield from self.replay.recover(stream, 0, None))]
@@ -241,6 +243,7 @@ class Sequencer:
                 if stream.starting_over and not stream.suspended_by_restart:
                     self._replaced_after_clear(stream, seq)
                 stream.suspended_for, stream.resume_from = "restart", 0
+                stream.suspension_checked = True
                 stream.end_replay_back_off()
             if stream.starting_over:  # cleared when its token came back
                 return (yield from self._start_over(stream, frames, seq, out))
@@ -264,7 +267,8 @@ class Sequencer:
             if not unanswered:
                 stream.end_replay_back_off()
             if not stream.may_clear():
-                self._suspend(stream, seq, resume_from=0)  # a new process: its batches from 0
+                # A new process (or, unanswered, maybe): its batches from 0.
+                self._suspend(stream, seq, resume_from=0, checked=not unanswered)
                 return out
             out.append(self._restarted(stream, seq, checked=not unanswered))
             last = None

@@ -51,8 +51,9 @@ class Message(msgspec.Struct, frozen=True):
 
 
 ResetReason = Literal["restart", "lost"]
-"""Why a stream was reset: a new process (or a stream that moved), or batches lost for good
-from the same process (whose block identities survive downstream)."""
+"""Why a stream was reset: a new process (or a stream that moved, or a publisher that could not
+be checked: :attr:`StreamReset.checked`), or batches lost for good from the same process (whose
+block identities survive downstream)."""
 
 
 class StreamReset(msgspec.Struct, frozen=True):

@@ -51,6 +51,7 @@ class StreamState:
         "starting_over",
         "suspended",
         "suspended_for",
+        "suspension_checked",
         "tokens",
         "tokens_at",
     )
@@ -78,7 +79,12 @@ class StreamState:
         self.suspended_for: ResetReason = "restart"
         """What the clear that found no token was for, and so the reset a release sends: a
         loss (the same process goes on) keeps the worker's identities downstream, a restart or
-        a jump does not."""
+        a jump does not (unless :attr:`suspension_checked` is ``False``)."""
+        self.suspension_checked = True
+        """For a restart's suspension: ``False`` if it was taken from a publisher check that
+        went unanswered, whose reset keeps the identities too (see
+        :attr:`StreamReset.checked <kvbridge.adapters.source.StreamReset.checked>`); spent by
+        the reset that ends the suspension."""
         self.resume_from: int | None = None
         """The first batch a suspension skipped, that the replay may still hold: the loss's
         first batch, or 0 for a new process. When the stream starts over, the run of them that
@@ -174,7 +180,7 @@ class StreamState:
         counted = self.count_start_over(stats)
         endpoint = self.source.endpoint
         warn("stream started over", (endpoint,), stream=endpoint, seq=seq, counted=counted)
-        return self.reset(reason)
+        return self.reset(reason, checked=self._spend_suspension_check())
 
     def release(self, stats: SubscriberStats, warn: LogLimiter) -> StreamReset | None:
         """The clear of a suspended stream, once a token is back; ``None`` before that.
@@ -199,7 +205,11 @@ class StreamState:
             last=self.last,
             counted=counted,
         )
-        return self.reset(self.suspended_for)
+        return self.reset(self.suspended_for, checked=self._spend_suspension_check())
+
+    def _spend_suspension_check(self) -> bool:
+        checked, self.suspension_checked = self.suspension_checked, True
+        return checked
 
     def end_replay_back_off(self) -> None:
         """Ask this source's replay endpoint again from now on: its publisher dropped or was
@@ -221,14 +231,17 @@ class StreamState:
         seq: int | None = None,
         *,
         resume_from: int | None = None,
+        checked: bool = True,
     ) -> None:
-        """No token for the clear a discontinuity needs (a ``reason`` reset): skip until one
-        is back, then resync, replaying from ``resume_from`` (:attr:`resume_from`). Logs the
-        suspension once; the caller counts what it skips."""
+        """No token for the clear a discontinuity needs (a ``reason`` reset, ``checked`` as
+        :attr:`suspension_checked`): skip until one is back, then resync, replaying from
+        ``resume_from`` (:attr:`resume_from`). Logs the suspension once; the caller counts what
+        it skips."""
         if self.suspended:
             return
         self.suspended = True
         self.suspended_for = reason
+        self.suspension_checked = checked
         self.resume_from = resume_from
         endpoint = self.source.endpoint
         at = {} if seq is None else {"seq": seq}

@@ -197,12 +197,13 @@ class Normalizer:
     ) -> NormalizedBatch:
         """:meth:`reset` for pipelines.
 
-        ``keep_identities`` is for batches lost for good: the rank is cleared downstream as
-        usual, but what its engine hashes stand for is kept (a block's canonical identity is a
-        function of its content, so it survives the loss). A later store whose parent chain
-        is known that way shows that the engine holds the chain, and the chain is announced
-        again with it (:attr:`reanchored_blocks`), so that the hottest prefixes are re-learned
-        on their next use rather than when vLLM happens to recompute them.
+        ``keep_identities`` is for batches lost for good, and for a restart that may be the
+        same process going on: the rank is cleared downstream as usual, but what its engine
+        hashes stand for is kept (a block's canonical identity is a function of its content,
+        so it survives the loss). A later store whose parent chain is known that way shows
+        that the engine holds the chain, and the chain is announced again with it
+        (:attr:`reanchored_blocks`), so that the hottest prefixes are re-learned on their next
+        use rather than when vLLM happens to recompute them.
         """
         if not keep_identities:
             with self._lock:
