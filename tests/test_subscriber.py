@@ -690,25 +690,54 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
     assert " | lost 5 | " in footer[0]
 
 
+@pytest.mark.parametrize(
+    ("serve", "unsent", "expected", "checked", "counts"),
+    [
+        (
+            True,
+            5,  # seq 5: the buffer keeps 4 and 5, 0..3 lost
+            [("lost", 4), (4, True), (5, True), ("restart", 0)],
+            [True, True],
+            {"duplicates": 1, "replays": 2, "replayed": 2, "lost": 4},
+        ),
+        (
+            False,
+            1,  # seq 1: 0 is asked for, unanswered, lost
+            [("lost", 1), (1, False), ("restart", 0)],
+            [True, False],
+            {"replays": 2, "replay_timeouts": 2, "lost": 1},
+        ),
+    ],
+    ids=["new process", "unanswered"],
+)
 def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
     ctx: zmq.Context[zmq.Socket[bytes]],
+    serve: bool,
+    unsent: int,
+    expected: list[tuple[object, ...]],
+    checked: list[bool],
+    counts: dict[str, int],
 ) -> None:
     """With one clear allowed every 3 s and that one spent on a loss at the stream's start,
-    the catch-up after a drop finds a new, idle process (its replay of the old last is empty):
-    the stream is suspended, not cleared at once, and its clear goes out when the token is
-    back, although nothing more is published (the restart is counted then, with the clear)."""
+    the catch-up after a drop finds a new, idle process (its replay of the old last is empty),
+    or gets no answer: the stream is suspended, not cleared at once, and its clear goes out
+    when the token is back, although nothing more is published (the restart is counted then,
+    with the clear). The clear is the restart the check found: unchecked if it went
+    unanswered, as the immediate one would have been."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
 
-    engine = engine_on(ctx, base, buffer_steps=2)
+    engine = engine_on(ctx, base, serve=serve, buffer_steps=2)
     first = engine()
-    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=3.0) as subscriber:
+    with Subscriber(
+        [source], context=ctx, replay_timeout=0.3, clear_burst=1, clear_interval=3.0
+    ) as subscriber:
         stats = subscriber.stats
-        for _ in range(5):
+        for _ in range(unsent):
             first.publish(VALID, send=False)
         assert first.wait_for_subscribers(timeout=TIMEOUT)
-        first.publish(VALID)  # seq 5: the buffer keeps 4 and 5, 0..3 lost, the token spent
-        items = receive(subscriber, 2)
+        first.publish(VALID)  # the loss at the start spends the token
+        items = receive(subscriber, sum(isinstance(item[0], int) for item in expected))
         first.close()
         listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects)
@@ -719,54 +748,25 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
             items += poll_until(subscriber, lambda: not subscriber.suspended(source))
         final = deepcopy(stats)
 
-    assert shape(items) == [("lost", 4), (4, True), (5, True), ("restart", 0)]
-    assert [item.checked for item in items if isinstance(item, StreamReset)] == [True, True]
-    counts = {"messages": 1, "duplicates": 1, "disconnects": 1, "reconnect_checks": 1}
-    counts |= {"replays": 2, "replayed": 2, "lost": 4}
+    assert shape(items) == expected
+    assert [item.checked for item in items if isinstance(item, StreamReset)] == checked
+    counts |= {"messages": 1, "disconnects": 1, "reconnect_checks": 1}
     assert suspended == SubscriberStats(**counts)
     assert final == SubscriberStats(**counts, restarts=1)
 
 
-def test_an_unanswered_check_that_waits_for_a_clear_token_still_keeps_identities(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-) -> None:
-    """The catch-up's publisher check goes unanswered while the stream's one clear token is
-    spent (on the loss at its start, whose replay went unanswered too): the stream is
-    suspended, and the clear that ends it when the token is back is an unchecked restart, as
-    the immediate one would have been."""
-    base = free_port_range(2)
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-
-    engine = engine_on(ctx, base, serve=False)
-    first = engine()
-    with Subscriber(
-        [source], context=ctx, replay_timeout=0.3, clear_burst=1, clear_interval=3.0
-    ) as subscriber:
-        stats = subscriber.stats
-        first.publish(VALID, send=False)
-        assert first.wait_for_subscribers(timeout=TIMEOUT)
-        first.publish(VALID)  # seq 1: 0 is asked for, unanswered, lost: the token spent
-        items = receive(subscriber, 1)
-        first.close()
-        listener_gone(base)
-        items += poll_until(subscriber, lambda: stats.disconnects)
-        with bound_again(engine) as second:
-            assert second.wait_for_subscribers(timeout=TIMEOUT)
-            items += poll_until(subscriber, lambda: subscriber.suspended(source))
-            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
-        final = deepcopy(stats)
-
-    assert shape(items) == [("lost", 1), (1, False), ("restart", 0)]
-    assert [item.checked for item in items if isinstance(item, StreamReset)] == [True, False]
-    assert final == SubscriberStats(
-        messages=1,
-        disconnects=1,
-        reconnect_checks=1,
-        replays=2,
-        replay_timeouts=2,
-        restarts=1,
-        lost=1,
-    )
+UNANSWERED_AT_3 = {
+    "messages": 4,
+    "disconnects": 1,
+    "reconnect_checks": 1,
+    "replays": 1,
+    "replay_timeouts": 1,
+    "replays_skipped": 2,
+    "restarts": 1,
+}
+"""The counts of a stream that delivered batches 0-2, dropped, and went on at 3 with a
+publisher check that went unanswered: the check timed out, and both replays from 0 (the
+catch-up's and batch 3's) fell within the back-off it began."""
 
 
 def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
@@ -807,16 +807,7 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
         ("lost", 3),
         (3, False),
     ]
-    assert final == SubscriberStats(
-        messages=4,
-        disconnects=1,
-        reconnect_checks=1,
-        replays=1,
-        replay_timeouts=1,
-        replays_skipped=2,
-        restarts=1,
-        lost=3,
-    )
+    assert final == SubscriberStats(**UNANSWERED_AT_3, lost=3)
 
 
 @pytest.mark.parametrize(
@@ -877,16 +868,7 @@ def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_o
     assert shape(seen) == [(0, False), (1, False), (2, False), ("restart", 0), *after, (3, False)]
     assert [item.checked for item in seen if isinstance(item, StreamReset)] == [False, True]
     lost = {"lost": 3} if after == [("lost", 3)] else {"resyncs": 1}
-    assert final == SubscriberStats(
-        messages=4,
-        disconnects=1,
-        reconnect_checks=1,
-        replays=1,
-        replay_timeouts=1,
-        replays_skipped=2,
-        restarts=1,
-        **lost,
-    )
+    assert final == SubscriberStats(**UNANSWERED_AT_3, **lost)
 
 
 # --------------------------------------------------------------------------- 2. restart
