@@ -254,17 +254,19 @@ class StreamPipeline:
         unknown downstream, not different: the identities are kept, so that the next store on
         a known chain announces it again. A restart the sequence or the check showed forgets
         them. A source reset again before its next batch (a restart, then the loss of the
-        batches its replay could not deliver) is not cleared twice, and keeps the identities
-        the first reset kept: those are never wrong to keep (a block's canonical identity is a
-        function of its content, and no engine hash names two contents), only of no further
-        use."""
+        batches its replay could not deliver) is not cleared or logged twice, and its
+        identities stay as the first reset left them: kept ones are never wrong to keep (a
+        block's canonical identity is a function of its content, and no engine hash names two
+        contents), only perhaps of no further use."""
         source = reset.source
         worker = self.worker(source.worker_id)
         keep = reset.reason != "restart" or not reset.checked
         ranks = sorted(worker.ranks.pop(source, ()))
         if ranks:
             worker.cleared.add(source)
-        elif source not in worker.cleared:
+        elif source in worker.cleared:
+            return  # the reset before cleared it, and nothing came since
+        else:
             worker.uncleared.add(source)
         self._warn(
             "worker cleared",
