@@ -168,7 +168,7 @@ class ReplayClient:
             self.warn("publisher check unanswered", (endpoint,), stream=endpoint, last=last)
             return None, answer
         if not answer:
-            self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last, replay=0)
+            self.warn("publisher replaced", (endpoint,), stream=endpoint, last=last, replayed=0)
             return False, answer
         if answer[0].seq == last and answer[0].payload == stream.last_payload:
             return True, answer

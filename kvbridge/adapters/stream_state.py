@@ -208,6 +208,8 @@ class StreamState:
         return self.reset(self.suspended_for, checked=self._spend_suspension_check())
 
     def _spend_suspension_check(self) -> bool:
+        """:attr:`suspension_checked` for the reset that ends a suspension, and ``True`` again
+        for any later one."""
         checked, self.suspension_checked = self.suspension_checked, True
         return checked
 
