@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from arguments import positive_int
 from normalize import VARIANTS, encode_steps, simulate
 from run_info import checkout
 
@@ -107,12 +108,10 @@ def build_core_loop() -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=100_000, help="blocks per variant")
+    parser.add_argument("--blocks", type=positive_int, default=100_000, help="blocks per variant")
     parser.add_argument("--seed", type=int, default=20_240_601)
     parser.add_argument("--variant", default="", help="only variants whose name contains this")
     args = parser.parse_args(argv)
-    if args.blocks < 1:
-        parser.error(f"--blocks must be positive, got {args.blocks}")
     missing = [tool for tool in ("valgrind", "cargo") if shutil.which(tool) is None]
     if missing:
         parser.error(f"needs {' and '.join(missing)} on PATH")

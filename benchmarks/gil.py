@@ -97,6 +97,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from arguments import non_negative_float, positive_float, positive_int
 from percentiles import percentile
 from procs import free_port, pin, subscriber
 
@@ -467,13 +468,25 @@ def report(label: str, sample: Sample) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60, help="slices per condition")
-    parser.add_argument("--slice", type=float, default=0.3, help="seconds of decisions each")
-    parser.add_argument("--settle", type=float, default=0.05, help="seconds before a slice")
+    parser.add_argument(
+        "--slice", type=positive_float, default=0.3, help="seconds of decisions each"
+    )
+    parser.add_argument(
+        "--settle", type=non_negative_float, default=0.05, help="seconds before a slice"
+    )
     parser.add_argument("--groups", type=int, default=6, help="groups of rounds reported")
-    parser.add_argument("--warmup", type=float, default=0.5, help="each relay's untimed start")
-    parser.add_argument("--rate", type=float, default=250_000, help="blocks/s the stream offers")
-    parser.add_argument("--period-ms", type=float, default=1.0, help="one decision every ...")
-    parser.add_argument("--blocks", type=int, default=100_000, help="simulated blocks a cycle")
+    parser.add_argument(
+        "--warmup", type=non_negative_float, default=0.5, help="each relay's untimed start"
+    )
+    parser.add_argument(
+        "--rate", type=positive_float, default=250_000, help="blocks/s the stream offers"
+    )
+    parser.add_argument(
+        "--period-ms", type=positive_float, default=1.0, help="one decision every ..."
+    )
+    parser.add_argument(
+        "--blocks", type=positive_int, default=100_000, help="simulated blocks a cycle"
+    )
     parser.add_argument("--seed", type=int, default=20_240_601)
     args = parser.parse_args(argv)
     if args.groups < 1 or args.rounds < args.groups or args.rounds % args.groups:

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from arguments import positive_int
 from run_info import checkout, machine, write_results
 
 RETAIN_EVICTED = 100_000
@@ -243,10 +244,14 @@ def _per_block(value: int | None, blocks: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=1_000_000, help="resident blocks")
-    parser.add_argument("--chain", type=int, default=64, help="blocks per BlockStored")
+    parser.add_argument("--blocks", type=positive_int, default=1_000_000, help="resident blocks")
+    parser.add_argument("--chain", type=positive_int, default=64, help="blocks per BlockStored")
     parser.add_argument(
-        "--block-size", type=int, action="append", dest="block_sizes", help="16 and 32 if none"
+        "--block-size",
+        type=positive_int,
+        action="append",
+        dest="block_sizes",
+        help="16 and 32 if none",
     )
     parser.add_argument(
         "--before", type=Path, metavar="PATH", help="a checkout of the pure-Python code"

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from arguments import positive_int
 from run_info import machine, write_results
 
 from kvbridge import Normalizer, decode_batch
@@ -693,8 +694,8 @@ def _print_header(header: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=100_000, help="blocks per variant")
-    parser.add_argument("--repeat", type=int, default=5, help="repetitions per measure")
+    parser.add_argument("--blocks", type=positive_int, default=100_000, help="blocks per variant")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="repetitions per measure")
     parser.add_argument("--seed", type=int, default=20_240_601)
     parser.add_argument(
         "--variant", action="append", help="run only variants whose name contains this"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
+from arguments import positive_int
 
 from kvbridge.normalizers.hashing import DYNAMO_SEED
 from kvbridge.ray_integration.selection_forms import precomputed_prompt
@@ -78,15 +79,12 @@ def per_prompt_us(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192, help="token ids per prompt")
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=200, help="prompts per repetition")
-    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--tokens", type=positive_int, default=8192, help="token ids per prompt")
+    parser.add_argument("--block-size", type=positive_int, default=32)
+    parser.add_argument("--prompts", type=positive_int, default=200, help="prompts per repetition")
+    parser.add_argument("--repeat", type=positive_int, default=9)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    for name in ("tokens", "block_size", "prompts", "repeat"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     rng = random.Random(args.seed)
     prompts = [array("I", [rng.randrange(151_936) for _ in range(args.tokens)]) for _ in range(16)]
     batch = [prompts[index % len(prompts)] for index in range(args.prompts)]

@@ -76,6 +76,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from arguments import positive_float, positive_int
 from normalize import VARIANTS, Family, count_blocks, encode_steps, simulate
 from procs import free_port, pin, subscriber
 
@@ -366,9 +367,13 @@ def _span(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=100_000, help="simulated blocks (all tiers)")
-    parser.add_argument("--repeat", type=int, default=5, help="repetitions of the three middles")
-    parser.add_argument("--poll-ms", type=float, default=2.0, help="Dynamo poll interval")
+    parser.add_argument(
+        "--blocks", type=positive_int, default=100_000, help="simulated blocks (all tiers)"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=5, help="repetitions of the three middles"
+    )
+    parser.add_argument("--poll-ms", type=positive_float, default=2.0, help="Dynamo poll interval")
     parser.add_argument("--seed", type=int, default=20_240_601)
     parser.add_argument("--profile", action="store_true", help="cProfile the relay middle once")
     parser.add_argument(

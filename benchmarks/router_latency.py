@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import structlog
 import zmq
+from arguments import non_negative_int, positive_int
 from percentiles import percentile
 from ray.serve._private.common import (
     DeploymentHandleSource,
@@ -730,12 +731,19 @@ def summary(rows: list[Row]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--iterations", type=int, default=500, help="timed decisions per path")
-    parser.add_argument("--warmup", type=int, default=50, help="untimed decisions per path")
+    parser.add_argument("--replicas", type=positive_int, nargs="+", default=[4, 16, 64])
+    parser.add_argument(
+        "--iterations", type=positive_int, default=500, help="timed decisions per path"
+    )
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=50, help="untimed decisions per path"
+    )
     parser.add_argument("--seed", type=int, default=20_240_601)
     parser.add_argument(
-        "--tokenize-iterations", type=int, default=200, help="timed tokenizations per request"
+        "--tokenize-iterations",
+        type=positive_int,
+        default=200,
+        help="timed tokenizations per request",
     )
     parser.add_argument(
         "--profile",
