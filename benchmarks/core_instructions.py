@@ -30,9 +30,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from arguments import positive_int
 from normalize import VARIANTS, encode_steps, simulate
 from run_info import checkout
+
+from kvbridge.cli.arguments import positive_int
 
 CORE_MODES = ("decode", "state", "canonical")
 

@@ -97,12 +97,12 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arguments import non_negative_float, positive_float, positive_int
 from percentiles import percentile
 from procs import free_port, pin, subscriber
 
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
+from kvbridge.cli.arguments import non_negative_float, positive_float, positive_int
 
 BLOCK_SIZE = 16
 TOPIC = b"kv-events"

@@ -50,8 +50,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from arguments import positive_int
 from run_info import checkout, machine, write_results
+
+from kvbridge.cli import arguments
 
 RETAIN_EVICTED = 100_000
 """The Normalizer's default ``retain_evicted``."""
@@ -244,11 +245,15 @@ def _per_block(value: int | None, blocks: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=positive_int, default=1_000_000, help="resident blocks")
-    parser.add_argument("--chain", type=positive_int, default=64, help="blocks per BlockStored")
+    parser.add_argument(
+        "--blocks", type=arguments.positive_int, default=1_000_000, help="resident blocks"
+    )
+    parser.add_argument(
+        "--chain", type=arguments.positive_int, default=64, help="blocks per BlockStored"
+    )
     parser.add_argument(
         "--block-size",
-        type=positive_int,
+        type=arguments.block_size,
         action="append",
         dest="block_sizes",
         help="16 and 32 if none",

@@ -72,10 +72,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from arguments import positive_int
 from run_info import machine, write_results
 
 from kvbridge import Normalizer, decode_batch
+from kvbridge.cli.arguments import positive_int
 from kvbridge.normalizers.batch import TIERED_EVENTS
 from kvbridge.schemas.vllm import (
     BlockRemoved,

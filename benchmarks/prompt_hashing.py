@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
-from arguments import positive_int
 
+from kvbridge.cli import arguments
 from kvbridge.normalizers.hashing import DYNAMO_SEED
 from kvbridge.ray_integration.selection_forms import precomputed_prompt
 
@@ -79,10 +79,14 @@ def per_prompt_us(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--tokens", type=positive_int, default=8192, help="token ids per prompt")
-    parser.add_argument("--block-size", type=positive_int, default=32)
-    parser.add_argument("--prompts", type=positive_int, default=200, help="prompts per repetition")
-    parser.add_argument("--repeat", type=positive_int, default=9)
+    parser.add_argument(
+        "--tokens", type=arguments.positive_int, default=8192, help="token ids per prompt"
+    )
+    parser.add_argument("--block-size", type=arguments.block_size, default=32)
+    parser.add_argument(
+        "--prompts", type=arguments.positive_int, default=200, help="prompts per repetition"
+    )
+    parser.add_argument("--repeat", type=arguments.positive_int, default=9)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)

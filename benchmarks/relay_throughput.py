@@ -76,13 +76,13 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arguments import positive_float, positive_int
 from normalize import VARIANTS, Family, count_blocks, encode_steps, simulate
 from procs import free_port, pin, subscriber
 
 from kvbridge import Normalizer
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
+from kvbridge.cli.arguments import positive_float, positive_int
 from kvbridge.schemas.tiers import Tier
 from kvbridge.testing.events import encoded, stored
 

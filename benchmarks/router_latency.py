@@ -87,7 +87,6 @@ from typing import TYPE_CHECKING, Any
 import ray
 import structlog
 import zmq
-from arguments import non_negative_int, positive_int
 from percentiles import percentile
 from ray.serve._private.common import (
     DeploymentHandleSource,
@@ -101,6 +100,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.cli.arguments import non_negative_int, positive_int
 from kvbridge.ray_integration import DynamoKVRouter
 from kvbridge.ray_integration.advert import RAY_LLM_STATS_KEY
 from kvbridge.ray_integration.decisions import Release
