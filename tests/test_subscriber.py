@@ -755,6 +755,61 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
     assert final == SubscriberStats(**counts, restarts=1)
 
 
+def test_a_released_unanswered_check_counts_only_the_batches_after_the_last(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """An unanswered check that found no clear token suspends the stream; the clear goes out
+    when the token is back. When the same process then goes on at 4, two batches after the
+    last delivered (1), only 2 and 3 count as lost: the replay from 0 of the start-over finds
+    nothing, but 0 and 1 were delivered before the clear if the process is the same."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    engine = engine_on(ctx, base, serve=False)
+    first = engine()
+    with (
+        Subscriber(
+            [source], context=ctx, replay_timeout=0.3, clear_burst=1, clear_interval=3.0
+        ) as subscriber,
+        structlog.testing.capture_logs() as logs,
+    ):
+        stats = subscriber.stats
+        first.publish(VALID, send=False)
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        first.publish(VALID)  # 1: the loss of 0 at the start spends the token
+        items = receive(subscriber, 1)
+        first.close()
+        listener_gone(base)
+        items += poll_until(subscriber, lambda: stats.disconnects)
+        with bound_again(engine) as second:
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            items += poll_until(subscriber, lambda: subscriber.suspended(source))
+            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+            for _ in range(4):
+                second.publish(b"", send=False)
+            second.publish(VALID)  # 4
+            items += receive(subscriber, 1)
+        final, lost_here = deepcopy(stats), subscriber.lost_batches(source)
+
+    assert shape(items) == [("lost", 1), (1, False), ("restart", 0), (4, False)]
+    assert [item.checked for item in items if isinstance(item, StreamReset)] == [True, False]
+    losses = [
+        {key: line[key] for key in ("first", "count", "at_most") if key in line}
+        for line in logs
+        if line["event"] == "batches lost"
+    ]
+    assert losses == [{"first": 0, "count": 1}, {"first": 2, "count": 2, "at_most": 4}]
+    assert lost_here == 3
+    assert final == SubscriberStats(
+        messages=2,
+        disconnects=1,
+        reconnect_checks=1,
+        replays=3,
+        replay_timeouts=3,
+        restarts=1,
+        lost=3,
+    )
+
+
 UNANSWERED_AT_3 = {
     "messages": 4,
     "disconnects": 1,
@@ -769,14 +824,23 @@ publisher check that went unanswered: the check timed out, and both replays from
 catch-up's and batch 3's) fell within the back-off it began."""
 
 
+@pytest.mark.parametrize(
+    ("unsent", "after"),
+    [(3, []), (1, [("lost", 1)])],
+    ids=["after the last", "a new process"],
+)
 def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    ctx: zmq.Context[zmq.Socket[bytes]], unsent: int, after: list[tuple[str, int]]
 ) -> None:
     """After a drop, the publisher check of a replay endpoint that does not answer cannot tell
     a new process from the same one: the worker is cleared as for a new process, but its
     replays from 0 (the catch-up's when the SUB is connected again, then the first message's)
-    fall within the back-off the unanswered check began (skipped, lost), not another
-    timeout."""
+    fall within the back-off the unanswered check began (skipped), not another timeout.
+
+    If the next batch follows the last one delivered (3), none counts as lost: 0-2 were
+    delivered if the process is the same, and no clear but the restart's goes out. If it is
+    at or below the last (1), the process is new, and the batches before it are lost, as
+    after any restart."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
 
@@ -792,10 +856,10 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
         listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects)
         with bound_again(engine) as second:
-            for _ in range(3):
+            for _ in range(unsent):
                 second.publish(VALID, send=False)
             assert second.wait_for_subscribers(timeout=TIMEOUT)
-            second.publish(VALID)  # seq 3, after the old last
+            second.publish(VALID)
             items += receive(subscriber, 1)
         final = deepcopy(stats)
 
@@ -804,26 +868,35 @@ def test_an_unanswered_publisher_check_is_not_asked_again_at_once(
         (1, False),
         (2, False),
         ("restart", 0),
-        ("lost", 3),
-        (3, False),
+        *after,
+        (unsent, False),
     ]
-    assert final == SubscriberStats(**UNANSWERED_AT_3, lost=3)
+    assert final == SubscriberStats(**UNANSWERED_AT_3, lost=sum(lost for _, lost in after))
 
 
 @pytest.mark.parametrize(
-    ("max_gap", "after"),
-    [(DEFAULT_MAX_GAP, [("lost", 3)]), (2, [("restart", 0)])],
-    ids=["loss", "resync"],
+    ("unsent", "max_gap", "lost", "logged"),
+    [
+        (3, DEFAULT_MAX_GAP, 0, []),
+        (5, DEFAULT_MAX_GAP, 2, [{"first": 3, "count": 2, "at_most": 5}]),
+        (5, 1, 0, []),
+    ],
+    ids=["next", "loss", "past max_gap"],
 )
 def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_on(
-    ctx: zmq.Context[zmq.Socket[bytes]], max_gap: int, after: list[tuple[str, int]]
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    unsent: int,
+    max_gap: int,
+    lost: int,
+    logged: list[dict[str, int]],
 ) -> None:
     """A check that goes unanswered cannot tell the same process going on from a new one. The
     worker is cleared as for a new process, and only once: not again for the batches the
-    back-off keeps from being replayed from 0, a loss (or, past ``max_gap``, a resync). What
-    its engine hashes stand for is kept: the same process's next store, on a chain it holds,
-    announces that chain again, and the whole conversation is found downstream, not only its
-    new turn."""
+    back-off keeps from being replayed from 0. Of those, only the ones after the last batch
+    delivered count as lost (the same process delivered the others before the clear), and,
+    as in a resync, none past ``max_gap``. What its engine hashes stand for is kept: the same
+    process's next store, on a chain it holds, announces that chain again, and the whole
+    conversation is found downstream, not only its new turn."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
     prefix, turn = list(range(12)), list(range(100, 104))
@@ -833,7 +906,10 @@ def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_o
     index = TieredIndex(BS)
     pipeline = StreamPipeline(BS, sinks=[IndexSink(index)])
     seen: list[Message | StreamReset] = []
-    with Subscriber([source], context=ctx, replay_timeout=0.3, max_gap=max_gap) as subscriber:
+    with (
+        Subscriber([source], context=ctx, replay_timeout=0.3, max_gap=max_gap) as subscriber,
+        structlog.testing.capture_logs() as logs,
+    ):
         stats = subscriber.stats
 
         def feed(seq: int) -> None:
@@ -854,21 +930,26 @@ def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_o
         listener_gone(base)
         seen += poll_until(subscriber, lambda: stats.disconnects)
         with bound_again(engine) as second:
-            for _ in range(3):
-                second.publish(b"", send=False)  # the same process's sequence goes on at 3
+            for _ in range(unsent):
+                second.publish(b"", send=False)  # the same process's sequence goes on
             assert second.wait_for_subscribers(timeout=TIMEOUT)
             second.publish(encoded([stored(hashes[3:], turn, parent=hashes[2])], ts=TS0 + 3))
-            feed(3)
+            feed(unsent)
         final = deepcopy(stats)
 
     normalizer = pipeline.workers[1].normalizer
     assert before == [{(1, 0): (3, 3, 3)}]
     assert overlaps(index, [prefix + turn, prefix]) == [{(1, 0): (4, 4, 4)}, {(1, 0): (3, 3, 3)}]
     assert (normalizer.reanchored_blocks, dict(normalizer.stats)) == (3, {})
-    assert shape(seen) == [(0, False), (1, False), (2, False), ("restart", 0), *after, (3, False)]
-    assert [item.checked for item in seen if isinstance(item, StreamReset)] == [False, True]
-    lost = {"lost": 3} if after == [("lost", 3)] else {"resyncs": 1}
-    assert final == SubscriberStats(**UNANSWERED_AT_3, **lost)
+    assert shape(seen) == [(0, False), (1, False), (2, False), ("restart", 0), (unsent, False)]
+    assert [item.checked for item in seen if isinstance(item, StreamReset)] == [False]
+    losses = [
+        {key: line[key] for key in ("first", "count", "at_most")}
+        for line in logs
+        if line["event"] == "batches lost"
+    ]
+    assert losses == logged
+    assert final == SubscriberStats(**UNANSWERED_AT_3, lost=lost)
 
 
 # --------------------------------------------------------------------------- 2. restart
@@ -1468,16 +1549,16 @@ def test_a_bound_subscriber_checks_each_new_peer(ctx: zmq.Context[zmq.Socket[byt
     assert shape(items) == [
         *((seq, False) for seq in range(5)),
         ("restart", 0),
-        ("lost", 5),
         (5, False),
         (6, False),
         (7, False),
         ("restart", 0),
     ]
     # The first restart is an unanswered check's (the peer's replay socket went with it), the
-    # second a new process's empty replay.
+    # second a new process's empty replay. Batch 5 follows the last before the unanswered
+    # check: nothing counts as lost (0-4 were delivered if the process is the same).
     checked = [item.checked for item in items if isinstance(item, StreamReset)]
-    assert checked == [False, True, True]
+    assert checked == [False, True]
     assert final == SubscriberStats(
         messages=8,
         disconnects=1,
@@ -1486,5 +1567,4 @@ def test_a_bound_subscriber_checks_each_new_peer(ctx: zmq.Context[zmq.Socket[byt
         replay_timeouts=1,
         replays_skipped=1,
         restarts=2,
-        lost=5,
     )

@@ -189,8 +189,10 @@ class ReplayClient:
 
         A loss of more than ``max_gap`` batches (from the start of a stream whose first batch is
         far past 0, as a relay's are, or a replay answering with such a batch) is a resync, with
-        nothing counted lost. A loss that finds no clear token suspends the stream and ends the
-        recovery there (the live message that led here counts the skip)."""
+        nothing counted lost. A loss before the first batch after an unconfirmed clear
+        (:attr:`~kvbridge.adapters.stream_state.StreamState.unconfirmed_last`) is only counted,
+        at its lower bound: that clear covers it. A loss that finds no clear token suspends the
+        stream and ends the recovery there (the live message that led here counts the skip)."""
         if replayed is None:
             replayed = (yield Fetch(stream, start)) if stream.source.replay_endpoint else []
         out: list[Message | StreamReset] = []
@@ -202,7 +204,12 @@ class ReplayClient:
             assert seq is not None
             if seq < expected:
                 continue  # already delivered
-            if seq > expected:
+            if seq > expected and stream.unconfirmed_last is not None:
+                # An unconfirmed clear went out with nothing delivered since: it covers the
+                # loss, without a reset of its own. Past max_gap nothing counts, as in a resync.
+                if seq - stream.counts_lost_from(expected) <= self.max_gap:
+                    stream.lose(self.stats, self.warn, expected, seq - expected)
+            elif seq > expected:
                 lost = seq - expected
                 if not stream.may_clear():
                     if lost > self.max_gap:
@@ -218,8 +225,7 @@ class ReplayClient:
             if message is None:
                 break
             expected = seq + 1
-            stream.last = seq
-            stream.last_payload = message.payload
+            stream.delivered(seq, message.payload)
             stream.replayed_through = max(stream.replayed_through, seq)
             self.stats.replayed += 1
             out.append(message)

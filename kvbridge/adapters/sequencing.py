@@ -17,7 +17,10 @@ message it reads comes here with its source's
   sequence before that: a new process is a restart, whatever its sequence numbers say. So is
   a check that goes unanswered, since consistency comes first, but its reset is marked
   unchecked (:attr:`~kvbridge.adapters.source.StreamReset.checked`): the same process may be
-  going on, and the consumer keeps its block identities;
+  going on, and the consumer keeps its block identities. What is missing before the next
+  batch is delivered needs no clear of its own, and only the batches after the last one
+  delivered count as lost, a lower bound
+  (:attr:`~kvbridge.adapters.stream_state.StreamState.unconfirmed_last`);
 - **sequence jumps**: a forward jump of more than ``max_gap`` is bad input (``seq_jump``),
   skipped, not a replay of 10**22 batches. If the next message continues from the jump, the
   stream did move there: it is *resynchronized* (``resyncs``), a :class:`StreamReset`
@@ -130,7 +133,7 @@ class Sequencer:
             same, answer = yield from self.replay.check_publisher(stream, stream.last)
         if same is False:  # a new process: its batches from 0, its replay endpoint afresh
             self._replaced_after_clear(stream, seq)
-            resume, answer = 0, None
+            resume, answer, stream.unconfirmed_last = 0, None, None
             stream.end_replay_back_off()
         if resume is not None and 0 < seq - resume <= self.max_gap:
             if answer is None:
@@ -142,8 +145,8 @@ class Sequencer:
                 stream.lose(self.stats, self.warn, resume, lost)
             self.stats.replayed += len(run)
             out.extend(run)
-        stream.last = stream.live_last = seq
-        stream.last_payload = frames[2]
+        stream.live_last = seq
+        stream.delivered(seq, frames[2])
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out
 
@@ -156,9 +159,10 @@ class Sequencer:
         self.stats.restarts += 1
         endpoint = stream.source.endpoint
         self.warn("publisher restarted", (endpoint,), stream=endpoint, seq=seq, last=stream.last)
+        reset = stream.reset("restart", checked=checked)
         stream.last = None
         stream.live_last = stream.replayed_through = -1
-        return stream.reset("restart", checked=checked)
+        return reset
 
     def _replaced_after_clear(self, stream: StreamState, seq: int) -> None:
         """Log a new process found as its stream starts over after a loss's clear. That clear
@@ -243,7 +247,7 @@ class Sequencer:
                 if stream.starting_over and not stream.suspended_by_restart:
                     self._replaced_after_clear(stream, seq)
                 stream.suspended_for, stream.resume_from = "restart", 0
-                stream.suspension_checked = True
+                stream.suspension_checked, stream.unconfirmed_last = True, None
                 stream.end_replay_back_off()
             if stream.starting_over:  # cleared when its token came back
                 return (yield from self._start_over(stream, frames, seq, out))
@@ -272,6 +276,8 @@ class Sequencer:
                 return out
             out.append(self._restarted(stream, seq, checked=not unanswered))
             last = None
+        if last is None and stream.unconfirmed_last is not None and seq <= stream.unconfirmed_last:
+            stream.unconfirmed_last = None  # the same process would not have gone back
         expected = 0 if last is None else last + 1
         if seq > expected:
             if last is not None and seq - expected > self.max_gap:
@@ -295,7 +301,7 @@ class Sequencer:
                 self.stats.duplicates += 1
                 return out  # the replay already delivered this one
         stream.jumped_to = None
-        stream.last = stream.live_last = seq
-        stream.last_payload = frames[2]
+        stream.live_last = seq
+        stream.delivered(seq, frames[2])
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
         return out

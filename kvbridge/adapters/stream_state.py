@@ -54,6 +54,7 @@ class StreamState:
         "suspension_checked",
         "tokens",
         "tokens_at",
+        "unconfirmed_last",
     )
 
     def __init__(
@@ -120,6 +121,12 @@ class StreamState:
         """Batches of this stream that no replay could recover: its share of the subscriber's
         ``lost``. A suspended stream's loss is known only when it starts over, after the
         ``"lost"`` reset of its release went out, so the resets alone undercount it."""
+        self.unconfirmed_last: int | None = None
+        """After a clear for a restart that the publisher check could not confirm (an
+        unchecked reset), until the next batch is delivered: the last batch delivered before
+        that clear. If the same process goes on, the batches up to it were delivered, so only
+        those after it count as lost (:meth:`lose`): the count is a lower bound, exact if the
+        process is the same."""
 
     @property
     def out_of_order(self) -> bool:
@@ -127,12 +134,34 @@ class StreamState:
         suspended, starting over, or reconnected (its publisher to be checked)."""
         return self.suspended or self.starting_over or self.reconnected
 
+    def counts_lost_from(self, first: int) -> int:
+        """Of the missing batches from ``first``, the first that counts as lost: after an
+        unconfirmed clear (:attr:`unconfirmed_last`), the first past its old last, since the
+        same process delivered those up to it before the clear."""
+        if self.unconfirmed_last is None:
+            return first
+        return max(first, self.unconfirmed_last + 1)
+
     def lose(self, stats: SubscriberStats, warn: LogLimiter, first: int, count: int) -> None:
-        """Count ``count`` batches from ``first`` as lost for good, and log them."""
-        stats.lost += count
-        self.lost += count
+        """Count ``count`` batches from ``first`` as lost for good, and log them: after an
+        unconfirmed clear, only those from :meth:`counts_lost_from` (the log gives both)."""
+        end = first + count
+        first = self.counts_lost_from(first)
+        counted = max(0, end - first)
+        if not counted:
+            return
+        stats.lost += counted
+        self.lost += counted
         endpoint = self.source.endpoint
-        warn("batches lost", (endpoint,), stream=endpoint, first=first, count=count)
+        at_most = {} if counted == count else {"at_most": count}
+        warn("batches lost", (endpoint,), stream=endpoint, first=first, count=counted, **at_most)
+
+    def delivered(self, seq: int, payload: bytes) -> None:
+        """Batch ``seq`` went out: it is the stream's last, and no clear before it is
+        unconfirmed any more."""
+        self.last = seq
+        self.last_payload = payload
+        self.unconfirmed_last = None
 
     def may_clear(self) -> bool:
         """Whether a token is there for a clear, after refilling the bucket for the time
@@ -149,6 +178,7 @@ class StreamState:
         :meth:`may_clear` (``checked``: see :attr:`StreamReset.checked
         <kvbridge.adapters.source.StreamReset.checked>`)."""
         self.tokens -= 1
+        self.unconfirmed_last = None if checked else self.last
         return StreamReset(self.source, reason, lost, checked)
 
     @property
