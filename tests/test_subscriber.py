@@ -1314,6 +1314,7 @@ VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)
         ([b"", (1).to_bytes(8, "big"), VALID, b"extra"], BadFrame.FRAME_COUNT),
         ([b"", (1).to_bytes(7, "big"), VALID], BadFrame.BAD_SEQ),
         ([b"", (1).to_bytes(9, "big"), VALID], BadFrame.BAD_SEQ),
+        ([b"", b"\xff" * 8, VALID], BadFrame.BAD_SEQ),
     ],
     ids=[
         "oversized-payload",
@@ -1322,6 +1323,7 @@ VALID = encoded([stored(block_hashes([7] * 4, BS), [7] * 4)], ts=TS0)
         "4-frames",
         "7-byte-seq",
         "9-byte-seq",
+        "end-marker-seq",
     ],
 )
 def test_bad_frame_is_counted_and_skipped(
@@ -1342,6 +1344,25 @@ def test_bad_frame_is_counted_and_skipped(
         [b"", (seq).to_bytes(8, "big"), VALID] for seq in (0, 1)
     ]
     assert stats == SubscriberStats(messages=2, bad_frames=Counter({reason: 1}))
+
+
+def test_a_first_message_at_the_replay_end_marker_is_a_bad_frame(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A sequence frame of 2**64 - 1 is the replay protocol's end marker, which no batch can
+    have: as the first message of a stream it is skipped as ``bad_seq``, not taken as a stream
+    that starts far past 0 (a resync there, then a restart at the next real batch)."""
+    publisher, source = engine_publisher(ctx)
+    with publisher, Subscriber([source], context=ctx) as subscriber:
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        publisher.send_frames([b"", b"\xff" * 8, VALID])
+        publisher.publish(VALID)
+        items = receive(subscriber, 1)
+        subscriber.poll(50)
+        stats = deepcopy(subscriber.stats)
+
+    assert shape(items) == [(0, False)]
+    assert stats == SubscriberStats(messages=1, bad_frames=Counter({BadFrame.BAD_SEQ: 1}))
 
 
 def test_every_kind_of_bad_frame_in_one_stream(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

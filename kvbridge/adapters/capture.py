@@ -38,7 +38,7 @@ from typing import IO, Annotated, Any, Final
 import msgspec
 
 from kvbridge._closing import ClosedOnExit
-from kvbridge.adapters.replay_protocol import END_SEQ
+from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 
@@ -90,16 +90,9 @@ class FrameRecord(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def framing_error(self) -> tuple[BadFrame, str] | None:
-        """Why the message is not a vLLM batch whatever its payload, if it is not: the reason
-        it counts under, as a live message's would, and what is wrong. Every reader of a
-        capture (the pipeline, ``validate``) skips such a record for the same reason."""
-        if len(self.frames) != 3:
-            return BadFrame.FRAME_COUNT, f"expected 3 frames, got {len(self.frames)}"
-        if len(self.frames[1]) != 8:
-            return BadFrame.BAD_SEQ, f"sequence frame has {len(self.frames[1])} bytes, expected 8"
-        if self.frames[1] == END_SEQ:
-            return BadFrame.BAD_SEQ, "sequence frame is 2**64 - 1, the replay protocol's end marker"
-        return None
+        """Why the message is not a vLLM batch whatever its payload, if it is not
+        (:func:`~kvbridge.adapters.framing.framing_error`, as for a live message)."""
+        return framing_error(self.frames)
 
 
 class Prompt(msgspec.Struct, frozen=True, omit_defaults=True):

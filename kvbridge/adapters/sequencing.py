@@ -39,7 +39,8 @@ message it reads comes here with its source's
   starts over without a second clear: the identities it keeps are what the engine hashes
   stood for, which a new process's hashes do not reuse for other blocks);
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
-  not 8 bytes): counted by :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
+  not 8 bytes or is the replay protocol's end marker): counted by
+  :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import structlog
 
+from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_client import ReplayClient, Replaying, run_before
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
@@ -78,14 +80,13 @@ class Sequencer:
         stream.skip_frame(self.stats, self.warn, reason, seq)
 
     def _check(self, stream: StreamState, frames: list[bytes]) -> int | None:
-        if len(frames) != 3:
-            self._bad(stream, BadFrame.FRAME_COUNT)
+        """The message's sequence number, or ``None`` for a message skipped as a bad frame:
+        not vLLM's framing (:func:`~kvbridge.adapters.framing.framing_error`), or too big."""
+        error = framing_error(frames)
+        if error is not None:
+            self._bad(stream, error[0])
             return None
-        seq_frame = frames[1]
-        if len(seq_frame) != 8:
-            self._bad(stream, BadFrame.BAD_SEQ)
-            return None
-        seq = int.from_bytes(seq_frame, "big")
+        seq = int.from_bytes(frames[1], "big")
         if max(map(len, frames)) > self.max_frame_bytes:
             self._bad(stream, BadFrame.OVERSIZED, seq)
             return None

@@ -42,8 +42,8 @@ class BadFrame(StrEnum):
     FRAME_COUNT = "frame_count"
     """A message without exactly three frames (live, or a capture's record)."""
     BAD_SEQ = "bad_seq"
-    """A sequence frame that is not 8 bytes, or a capture record's that is the replay
-    protocol's end marker (2**64 - 1)."""
+    """A sequence frame that is not 8 bytes, or that is the replay protocol's end marker
+    (2**64 - 1), live or in a capture's record."""
     OVERSIZED = "oversized"
     """A frame over ``max_frame_bytes``."""
     SEQ_JUMP = "seq_jump"
