@@ -136,7 +136,13 @@ class Sequencer:
             self._replaced_after_clear(stream, seq)
             resume, answer, stream.unconfirmed_last = 0, None, None
             stream.end_replay_back_off()
-        if resume is not None and 0 < seq - resume <= self.max_gap:
+        # Past max_gap, what was skipped is a jump's, not a loss; after an unconfirmed clear
+        # that is measured from the batches that count (StreamState.counts_lost_from).
+        if (
+            resume is not None
+            and resume < seq
+            and seq - stream.counts_lost_from(resume) <= self.max_gap
+        ):
             if answer is None:
                 run = yield from self.replay.run_before(stream, resume, seq)
             else:  # the check's answer, from before the skipped batches (empty if unanswered)
