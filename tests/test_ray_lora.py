@@ -1,10 +1,11 @@
-"""LoRA-aware routing, with no Serve in the way: ``RoutingState`` (the router's state) over a
-real Dynamo SelectionService fed by two real relays.
+"""LoRA- and salt-aware routing, with no Serve in the way: ``RoutingState`` (the router's state)
+over a real Dynamo SelectionService fed by two real relays.
 
-Worker A's engine cached a prompt under the LoRA adapter ``sql``; worker B's cached the same
-tokens for the base model. The LoRA name changes every block hash (Dynamo seeds tokens_hash with
-it), so the router must ask with the request's LoRA name to find A, and without one to find B.
-Ray Serve LLM's own KV router does not pass LoRA names to Dynamo.
+Worker A's engine cached a prompt under the LoRA adapter ``sql`` (or a cache salt); worker B's
+cached the same tokens for the base model, unsalted. The LoRA name and the salt change every
+block hash (Dynamo seeds tokens_hash with them, and so does the relay), so the router must ask
+with the request's LoRA name or salt to find A, and without one to find B. Ray Serve LLM's own
+KV router does not pass LoRA names to Dynamo.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +25,7 @@ from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState
 from kvbridge.ray_integration.engine_config import KVEventPorts
+from kvbridge.ray_integration.prompt import prompt_cache_salt, prompt_tokens
 from kvbridge.schemas.vllm import BlockStored
 from kvbridge.testing.events import encoded
 
@@ -49,9 +52,13 @@ class RelayedWorker:
             block_size=BLOCK,
         )
 
-    def store(self, lora_name: str | None) -> None:
-        """The engine caches TOKENS (its own hashes: 1..6, offset per adapter)."""
-        base = 1000 if lora_name else 1
+    def store(self, lora_name: str | None, cache_salt: str | None = None) -> None:
+        """The engine caches TOKENS (its own hashes: 1..6, offset per adapter or salt), a
+        salt in the first block's extra keys, as vLLM puts it there."""
+        base = 1000 if lora_name or cache_salt else 1
+        extra_keys: list[list[object] | None] = [None] * 6
+        if cache_salt is not None:
+            extra_keys[0] = [cache_salt]
         event = BlockStored(
             [base + i for i in range(6)],
             None,
@@ -60,7 +67,7 @@ class RelayedWorker:
             None,
             "GPU",
             lora_name,
-            [None] * 6,
+            extra_keys,
             group_idx=0,
             kv_cache_spec_kind="full_attention",
         )
@@ -117,3 +124,82 @@ def test_lora_name_reaches_dynamo(workers: tuple[RelayedWorker, RelayedWorker]) 
         assert state.client.active_reservations() == 0
     finally:
         state.close()
+
+
+@pytest.mark.parametrize(
+    ("engine_salt", "request_salt"),
+    [("tenant-1", "tenant-1"), ("dynamo-cache-salt:tenant-1", "tenant-1")],
+    ids=["plain", "dynamo-prefixed in the blocks"],
+)
+@pytest.mark.parametrize("where", ["kwargs", "dict body", "request object"])
+def test_cache_salt_reaches_dynamo(
+    workers: tuple[RelayedWorker, RelayedWorker], engine_salt: str, request_salt: str, where: str
+) -> None:
+    """A salted prefix is found only by a request with the same salt, read from the handle
+    call's keyword arguments or from the body (a dict or a request object), with Dynamo's
+    prefix or without it; the same tokens unsalted are found only without one."""
+    a, b = workers
+    state = RoutingState("salt#test", block_size=BLOCK)
+
+    def call(salt: str | None) -> tuple[list[object], dict[str, object]]:
+        body: dict[str, object] = {"prompt": TOKENS}
+        if salt is not None:
+            body["cache_salt"] = salt
+        if where == "kwargs":
+            return [], {"prompt_token_ids": TOKENS} | ({} if salt is None else {"cache_salt": salt})
+        if where == "dict body":
+            return [body], {}
+        return [SimpleNamespace(**body)], {}
+
+    async def choose(request_id: str, salt: str | None) -> tuple[str, int]:
+        args, kwargs = call(salt)
+        tokens = prompt_tokens(args, kwargs)
+        assert tokens is not None
+        choice = await state.choose(
+            request_id, tokens, ready, cache_salt=prompt_cache_salt(args, kwargs)
+        )
+        state.release(request_id)
+        return ready[choice.worker_id], choice.overlap.device
+
+    try:
+        registering = state.sync(
+            {"replica-a": a.advert.routing_stats(), "replica-b": b.advert.routing_stats()},
+            complete=True,
+        )
+        assert registering is not None
+        registering.result(10)
+        ready = state.ready_workers(["replica-a", "replica-b"])
+        a.store(None, cache_salt=engine_salt)
+        b.store(None)
+
+        def indexed() -> bool:
+            salted = asyncio.run(choose("probe-a", request_salt))
+            unsalted = asyncio.run(choose("probe-b", None))
+            return (salted, unsalted) == (("replica-a", 6), ("replica-b", 6))
+
+        deadline = time.monotonic() + 5
+        while not indexed():
+            assert time.monotonic() < deadline, "Dynamo never indexed both workers"
+            time.sleep(0.05)
+        assert asyncio.run(choose("r1", "dynamo-cache-salt:" + request_salt)) == ("replica-a", 6)
+        assert asyncio.run(choose("r2", "")) == ("replica-b", 6)  # empty: no salt
+        assert asyncio.run(choose("r3", "tenant-2"))[1] == 0
+        time.sleep(0.1)
+        assert state.client.active_reservations() == 0
+    finally:
+        state.close()
+
+
+def test_prompt_cache_salt_reads_what_vllm_takes() -> None:
+    """The keyword argument wins over the body; a salt that is not a non-empty string (after
+    Dynamo's prefix) is none."""
+    body = {"prompt": TOKENS, "cache_salt": "from-body"}
+    assert prompt_cache_salt([body], {"cache_salt": "from-kwargs"}) == "from-kwargs"
+    assert prompt_cache_salt([body], {}) == "from-body"
+    assert prompt_cache_salt([SimpleNamespace(cache_salt="obj")], {}) == "obj"
+    assert prompt_cache_salt([], {}) is None
+    assert prompt_cache_salt([{"prompt": TOKENS}], {}) is None
+    assert prompt_cache_salt([body], {"cache_salt": None}) is None
+    assert prompt_cache_salt([{"cache_salt": 7}], {}) is None
+    assert prompt_cache_salt([{"cache_salt": "dynamo-cache-salt:"}], {}) is None
+    assert prompt_cache_salt([{"cache_salt": "dynamo-cache-salt:x"}], {}) == "x"

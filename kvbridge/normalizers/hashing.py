@@ -95,12 +95,17 @@ def tokens_hashes(
 
 
 def prompt_hashes(
-    token_ids: Sequence[int], block_size: int, *, lora_name: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[list[int], list[int]]:
     """A prompt as Dynamo's router takes it precomputed: the tokens_hash and the sequence hash
     of each full block, both as signed i64 (the same 64 bits as :func:`tokens_hashes` and
     :func:`sequence_hashes` give unsigned), in one call to the native core."""
-    return _core.prompt_hashes(_packed(token_ids, block_size), block_size, block_seed(lora_name))
+    seed = block_seed(lora_name, cache_salt)
+    return _core.prompt_hashes(_packed(token_ids, block_size), block_size, seed)
 
 
 def _packed(token_ids: Sequence[int], block_size: int) -> memoryview:

@@ -33,6 +33,7 @@ from ray.serve.request_router import (
 from kvbridge.ray_integration.prompt import (
     Tokenizer,
     load_tokenizer,
+    prompt_cache_salt,
     prompt_lora_name,
     prompt_tokens,
 )
@@ -155,6 +156,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 lora_name=prompt_lora_name(
                     pending_request.kwargs, pending_request.metadata.multiplexed_model_id
                 ),
+                cache_salt=prompt_cache_salt(pending_request.args, pending_request.kwargs),
                 started=started,
             )
         except NoChoice as no_choice:

@@ -1,10 +1,12 @@
-"""Finding a request's prompt tokens and LoRA name in what Serve hands the router.
+"""Finding a request's prompt tokens, LoRA name and cache salt in what Serve hands the router.
 
 A handle call carries them as keyword arguments (``prompt_token_ids=...`` or ``token_ids=...``);
 an OpenAI-style body (a dict or a request object, the first positional argument) carries them in
 ``prompt_token_ids``, ``token_ids``, or ``prompt`` when that is a list of token ids. A text prompt
 or chat ``messages`` needs a tokenizer: the router is given one as an import path
-(``"package.module:function"``, since router kwargs must be JSON), called with the body.
+(``"package.module:function"``, since router kwargs must be JSON), called with the body. The
+cache salt is a ``cache_salt`` keyword argument or the body's ``cache_salt`` field, as vLLM's
+OpenAI server takes it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["Tokenizer", "load_tokenizer", "prompt_lora_name", "prompt_tokens"]
+from kvbridge.normalizers.hashing import DYNAMO_SALT_PREFIX
+
+__all__ = [
+    "Tokenizer",
+    "load_tokenizer",
+    "prompt_cache_salt",
+    "prompt_lora_name",
+    "prompt_tokens",
+]
 
 Tokenizer = Callable[[Any], Sequence[int] | None]
 """Called with the request body; returns its prompt's token ids, or ``None``."""
@@ -91,3 +101,17 @@ def prompt_lora_name(kwargs: Mapping[str, Any], multiplexed_model_id: str | None
     """The LoRA adapter: a ``lora_name`` keyword argument, else Serve's multiplexed model id."""
     name = kwargs.get("lora_name") or multiplexed_model_id
     return str(name) if name else None
+
+
+def prompt_cache_salt(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """The request's cache salt: a ``cache_salt`` keyword argument, else the body's
+    ``cache_salt`` field; ``None`` if there is none or it is empty (vLLM then salts nothing).
+    Dynamo's ``dynamo-cache-salt:`` prefix is removed, as the relay removes it from a block's
+    extra keys, so that the router hashes the salt the relay hashed the blocks with."""
+    if "cache_salt" in kwargs:
+        salt = kwargs["cache_salt"]
+    else:
+        salt = _field(args[0], "cache_salt") if args else None
+    if not isinstance(salt, str):
+        return None
+    return salt.removeprefix(DYNAMO_SALT_PREFIX) or None

@@ -168,11 +168,13 @@ class RoutingState:
         workers: Mapping[int, str],
         *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
         started: float | None = None,
     ) -> Choice:
         """Dynamo's pick among ``workers`` ({worker_id: replica_id}), reserved until
-        :meth:`release`. ``started`` (a ``time.perf_counter()``) is when the decision began,
-        for its latency.
+        :meth:`release`, for a prompt of ``token_ids`` under ``lora_name`` and ``cache_salt``
+        (both hashed into its blocks, as vLLM and the relay do). ``started`` (a
+        ``time.perf_counter()``) is when the decision began, for its latency.
 
         A decision is one Dynamo call, ``select_and_reserve``, whose answer carries the pick's
         overlap by tier; its ranking is the pick alone. Serve asks again at once, without a
@@ -195,7 +197,9 @@ class RoutingState:
             raise NoChoice("no_workers")
         selection_id = self.held.selection_id(request_id)
         assert self.block_size is not None  # pinned when the first worker registered
-        prompt = precomputed_prompt(token_ids, self.block_size, lora_name, self.model_name)
+        prompt = precomputed_prompt(
+            token_ids, self.block_size, lora_name, self.model_name, cache_salt
+        )
         request = {**prompt, "selection_id": selection_id, "allowed_worker_ids": list(workers)}
         # Shielded: a selection that answers after the timeout (or after the caller was
         # cancelled) has reserved load, which Reservations.free_late frees.

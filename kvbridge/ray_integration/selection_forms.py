@@ -29,7 +29,11 @@ _TIER_CREDIT: Final = (1.0, 0.75, 0.25)
 
 
 def precomputed_prompt(
-    token_ids: Sequence[int], block_size: int, lora_name: str | None, model_name: str
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None,
+    model_name: str,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """The prompt in Dynamo's precomputed form: its blocks hashed here.
 
@@ -40,9 +44,13 @@ def precomputed_prompt(
     :func:`~kvbridge.ray_integration.prompt.prompt_tokens` come packed already (an
     ``array("I")``, the little-endian u32s Dynamo hashes), which
     :func:`~kvbridge.normalizers.hashing.prompt_hashes` hashes where they lie. kvbridge's
-    hashes are Dynamo's bit for bit (tests/test_hashing.py), LoRA name included.
+    hashes are Dynamo's bit for bit (tests/test_hashing.py), LoRA name and cache salt
+    included: the relay hashes a salted request's blocks with its salt, so a prompt hashed
+    without it would match none of them.
     """
-    blocks, sequence = prompt_hashes(token_ids, block_size, lora_name=lora_name)
+    blocks, sequence = prompt_hashes(
+        token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt
+    )
     return {
         "block_hashes": blocks,
         "sequence_hashes": sequence,
