@@ -67,6 +67,7 @@ def deploy(
     num_replicas: int = 3,
     token_shift: int = 0,
     health_check_period_s: float | None = None,
+    tokenizer: str | None = None,
 ) -> Any:
     """Run the app: ``router=None`` keeps Serve's default (power of two choices). Serve keeps
     one router per deployment per process, so each router needs an app name of its own."""
@@ -79,9 +80,15 @@ def deploy(
     if health_check_period_s is not None:
         options["health_check_period_s"] = health_check_period_s
     if router is not None:
+        router_kwargs: dict[str, Any] = {
+            "block_size": BLOCK_SIZE,
+            "select_timeout_s": select_timeout_s,
+        }
+        if tokenizer is not None:
+            router_kwargs["tokenizer"] = tokenizer
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=router,
-            request_router_kwargs={"block_size": BLOCK_SIZE, "select_timeout_s": select_timeout_s},
+            request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=0.5,
         )
     bound = serve.deployment(**options)(SimulatedReplica).bind(
@@ -201,6 +208,32 @@ def test_a_tokenizer_mismatch_is_counted(ray_cluster: None) -> None:
     decisions = list(state.stats.decisions)[-3:]
     assert [d.overlap for d in decisions] == [Overlap(0, 0, 0)] * 3
     serve.delete("shifted")
+
+
+def test_a_tokenizer_hook_that_fails_routes_the_request_without_dynamo(
+    ray_cluster: None,
+) -> None:
+    """The ``tokenizer`` hook is the user's code. One that raises on a body (here: chat
+    ``messages`` that are not a list) costs that request Dynamo's pick, counted and logged,
+    not its answer: it is routed by Serve's power of two choices. A body the hook reads is
+    routed by Dynamo."""
+    handle = deploy(
+        DynamoKVRouter, app="hook", num_replicas=1, tokenizer="support.tokenizers:bytes_tokenizer"
+    )
+    state = wait_registered(handle, replica_ids(handle, 1), app="hook")
+    fallbacks = Counter(state.stats.fallbacks)  # replica_ids' requests carry no tokens
+    bodies = (
+        {"messages": 5},
+        {"prompt": "a text prompt of two blocks or more"},
+        {"messages": None},
+    )
+    answers = [handle.remote(body).result(timeout_s=30) for body in bodies]
+    assert [sorted(answer) for answer in answers] == [["actor", "replica"]] * 3
+    assert state.stats.registry.tokenize_failed == 1
+    assert state.stats.fallbacks - fallbacks == Counter(no_tokens=2)
+    decisions = list(state.stats.decisions)[-3:]
+    assert [decision.fallback for decision in decisions] == ["no_tokens", None, "no_tokens"]
+    serve.delete("hook")
 
 
 def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -> None:

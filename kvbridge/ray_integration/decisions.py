@@ -84,7 +84,7 @@ class Release(StrEnum):
 @dataclass
 class RegistryStats:
     """What the router's registry did with replicas, its reservations with what they held,
-    and the LLM router's tokenizer with prompts it could not tokenize."""
+    and the routers' tokenizers with prompts they could not tokenize."""
 
     registered: int = 0
     deregistered: int = 0
@@ -95,7 +95,8 @@ class RegistryStats:
     free_failed: int = 0
     """Frees the service failed or that were cancelled."""
     tokenize_failed: int = 0
-    """Prompts the LLM router could not tokenize (routed without Dynamo's overlap)."""
+    """Prompts a tokenizer failed on, the LLM router's or a ``tokenizer`` hook (routed without
+    Dynamo, as ``no_tokens``)."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ value, which would copy the state.
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Any, cast
 
 import ray
@@ -146,7 +147,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         by_id, workers = self._candidates(candidate_replicas)
         try:
-            tokens = prompt_tokens(pending_request.args, pending_request.kwargs, self._tokenizer)
+            tokens = self._prompt_tokens(pending_request)
             if tokens is None:
                 raise NoChoice("no_tokens")
             choice = await self._routing.choose(
@@ -176,6 +177,19 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         pending_request.routing_context.should_backoff = True
         ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
         return [group for group in ranked if group]
+
+    def _prompt_tokens(self, pending_request: PendingRequest) -> array[int] | None:
+        """The request's prompt token ids, ``None`` without any. The ``tokenizer`` hook is the
+        user's code: an error there is counted (``tokenize_failed``) and routes the request
+        without Dynamo, as a prompt without tokens, since an exception out of
+        :meth:`choose_replicas` would leave the request waiting for good (Serve logs it and
+        never answers the request)."""
+        args, kwargs = pending_request.args, pending_request.kwargs
+        try:
+            return prompt_tokens(args, kwargs, self._tokenizer)
+        except Exception as error:
+            self._routing.stats.registry.tokenize_failed += 1
+            raise NoChoice("no_tokens", f"tokenizer failed: {error!r}") from None
 
     def _candidates(
         self, replicas: list[RunningReplica]

@@ -183,7 +183,8 @@ class SimulatedReplica(KVEventsReplica):
         **_: Any,
     ) -> dict[str, Any]:
         """Run a request; the answer says where it ran and what it found cached."""
-        if prompt_token_ids is None:  # a request without tokens: nothing for the engine to do
+        if not isinstance(prompt_token_ids, list):
+            # A request without tokens, or with a body only a tokenizer reads: nothing to run.
             return {"replica": self.replica_id, "actor": self.actor_name}
         rank = data_parallel_rank or 0
         held_until = time.monotonic() + self.hold_s
