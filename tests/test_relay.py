@@ -23,6 +23,7 @@ import itertools
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -841,6 +842,144 @@ def test_outputs_of_a_dp_engine_name_their_own_rank() -> None:
         assert relay.output_stats.snapshots == 1
         live.close(linger=0)
     ctx.term()
+
+
+# --------------------------------------------------------------------------- 6b. snapshots
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _replay_answer(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int
+) -> list[tuple[int, tuple[float, list[dict[str, Any]], int]]]:
+    """``(seq, decoded batch)`` of each batch a replay request from ``start`` is answered with."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(endpoint)
+    dealer.send_multipart(request_frames(start))
+    answer = []
+    while (frames := parse_answer(dealer.recv_multipart(), b""))[1] != END_SEQ:
+        answer.append((int.from_bytes(frames[1], "big"), msgspec.msgpack.decode(frames[2])))
+    dealer.close(linger=0)
+    return answer
+
+
+def _snapshot_relay(
+    ctx: zmq.Context[zmq.Socket[bytes]], buffer_steps: int
+) -> tuple[Publisher, Source, Relay]:
+    base = free_port_range(3)
+    engine = Publisher(f"tcp://127.0.0.1:{base}", context=ctx, bind=True)
+    source = Source(engine.endpoint, worker_id=1, bind=False)
+    relay = Relay(
+        [source],
+        block_size=BLOCK_SIZE,
+        publish=f"tcp://127.0.0.1:{base + 1}",
+        publish_replay=f"tcp://127.0.0.1:{base + 2}",
+        buffer_steps=buffer_steps,
+        heartbeat_s=None,
+        merge_bytes=0,
+        context=ctx,
+    )
+    return engine, source, relay
+
+
+def test_a_snapshot_never_takes_the_seq_of_a_live_batch() -> None:
+    """A snapshot of a source that named three dp ranks is three payloads, numbered from the
+    seq asked for. Asked from two below the output's next seq (a buffer of one batch), they
+    would reach that seq, which the next live batch then takes: a listener that applied the
+    answer drops that batch as a duplicate, and its block is never indexed. The relay first
+    publishes an empty batch to move its sequence past the snapshot's numbering."""
+    ctx = zmq.Context()
+    engine, source, relay = _snapshot_relay(ctx, buffer_steps=1)
+    with engine, relay:
+        output = relay.outputs[source]
+        live = _output_sub(ctx, relay, source)
+        relay.start()
+        assert engine.wait_for_subscribers()
+        for n, rank in enumerate((0, 1, 2), 1):
+            engine.publish(encoded([stored([10 + rank], [rank] * 4)], dp_rank=rank))
+            _wait(lambda: relay.stats.batches_in == n)  # noqa: B023 - waited on at once
+        for _ in range(3):
+            live.recv_multipart()
+        next_seq = output.next_seq
+        answer = _replay_answer(ctx, output.replay_endpoint or "", next_seq - 2)
+        engine.publish(encoded([stored([99], [9] * 4)], dp_rank=0))
+        after = [live.recv_multipart() for _ in range(2)]
+        live.close(linger=0)
+        heartbeats = relay.output_stats.heartbeats
+    ctx.term()
+
+    assert [seq - next_seq for seq, _ in answer] == [-2, -1, 0]
+    assert [[event["type"] for event in batch[1]] + [batch[2]] for _, batch in answer] == [
+        ["AllBlocksCleared", "BlockStored", rank] for rank in (0, 1, 2)
+    ]
+    (beat_seq, beat), (store_seq, store) = (
+        (int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)) for _, seq, payload in after
+    )
+    assert (beat_seq - next_seq, beat[1:]) == (0, [[], 2]), "an empty batch moved the sequence"
+    assert (store_seq - next_seq, [event["type"] for event in store[1]]) == (1, ["BlockStored"])
+    assert heartbeats == 1
+
+
+def test_a_snapshot_whose_point_left_the_buffer_is_taken_again() -> None:
+    """The replay thread reads the buffer after the relay's thread took the snapshot; batches
+    published between the two can push the snapshot's point out of a small buffer, and the
+    answer would skip them. Here the replay thread is held after the first snapshot (as the OS
+    could deschedule it) while three batches go out: the snapshot is taken again, and the
+    answer holds every block."""
+    ctx = zmq.Context()
+    engine, source, relay = _snapshot_relay(ctx, buffer_steps=2)
+    output = relay.outputs[source]
+    provider = output.snapshot
+    assert provider is not None
+    points: list[int] = []
+    taken, resume = threading.Event(), threading.Event()
+
+    def held_once(start_seq: int) -> tuple[int, list[bytes]] | None:
+        snapshot = provider(start_seq)
+        assert snapshot is not None
+        points.append(snapshot[0])
+        if len(points) == 1:
+            taken.set()
+            resume.wait(5)
+        return snapshot
+
+    output.snapshot = held_once
+    with engine, relay:
+        relay.start()
+        assert engine.wait_for_subscribers()
+        published = 0
+
+        def publish(block: int) -> None:
+            nonlocal published
+            engine.publish(encoded([stored([block], list(range(4 * block, 4 * block + 4)))]))
+            published += 1
+            _wait(lambda: relay.stats.batches_in == published)
+
+        for block in (1, 2, 3):
+            publish(block)
+        answering = threading.Thread(
+            target=lambda: answers.append(_replay_answer(ctx, output.replay_endpoint or "", 0))
+        )
+        answers: list[list[tuple[int, tuple[float, list[dict[str, Any]], int]]]] = []
+        answering.start()
+        assert taken.wait(5)
+        for block in (100, 101, 102):
+            publish(block)
+        resume.set()
+        answering.join(10)
+    ctx.term()
+
+    assert points[1] == points[0] + 3
+    [(seq, (_, events, _))] = answers[0]
+    assert seq == 0
+    assert [event["type"] for event in events] == ["AllBlocksCleared"] + ["BlockStored"] * 6
+    assert [event["token_ids"][0] // 4 for event in events[1:]] == [1, 2, 3, 100, 101, 102]
 
 
 # --------------------------------------------------------------------------- 7. a relay that stops

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Final
 
 import zmq
@@ -48,7 +47,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, should_bind
-from kvbridge.adapters.replay_server import AnswerCut, ReplayBuffer, ReplaySocket, last_endpoint
+from kvbridge.adapters.replay_buffer import ReplayBuffer, SnapshotProvider
+from kvbridge.adapters.replay_server import AnswerCut, ReplaySocket, last_endpoint
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_SEQ", "Publisher"]
 
@@ -187,13 +187,13 @@ class Publisher(ClosedOnExit):
         return self._buffer.next_seq
 
     @property
-    def snapshot(self) -> Callable[[], tuple[int, list[bytes]] | None] | None:
-        """The replay buffer's :attr:`~kvbridge.adapters.replay_server.ReplayBuffer.snapshot`
+    def snapshot(self) -> SnapshotProvider | None:
+        """The replay buffer's :attr:`~kvbridge.adapters.replay_buffer.ReplayBuffer.snapshot`
         provider. ``None`` by default."""
         return self._buffer.snapshot
 
     @snapshot.setter
-    def snapshot(self, provider: Callable[[], tuple[int, list[bytes]] | None] | None) -> None:
+    def snapshot(self, provider: SnapshotProvider | None) -> None:
         self._buffer.snapshot = provider
 
     # ------------------------------------------------------------------ live stream

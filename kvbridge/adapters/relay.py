@@ -50,7 +50,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Final
@@ -62,7 +62,9 @@ from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import offset_endpoint
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
+from kvbridge.adapters.replay_buffer import SnapshotProvider
 from kvbridge.adapters.replay_server import ReplayServer
+from kvbridge.adapters.socket_limits import SOCKET_HEADROOM, SOCKETS_PER_SOURCE, raise_limits
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.stream_stats import OutputStats, PipelineStats
 from kvbridge.adapters.subscriber import (
@@ -120,29 +122,6 @@ def output_hwm_for(merge_bytes: int) -> int:
     if merge_bytes == 0:
         return DEFAULT_OUTPUT_HWM
     return max(1, min(DEFAULT_OUTPUT_HWM, OUTPUT_QUEUE_BYTES // merge_bytes))
-
-
-SOCKETS_PER_SOURCE: Final = 8
-"""ZMQ sockets a relayed source can use: SUB, its monitor (2), replay DEALER; PUB, its monitor
-(2), replay ROUTER."""
-SOCKET_HEADROOM: Final = 64
-
-
-def raise_limits(context: zmq.Context[zmq.Socket[bytes]], sockets: int) -> None:
-    """Make room for ``sockets`` ZMQ sockets: the context's ``MAX_SOCKETS`` (1,023 by default;
-    effective only before the context's first socket) and the soft ``RLIMIT_NOFILE``, up to the
-    hard limit (a socket takes an fd for its mailbox, and a connection or listener another)."""
-    if context.get(zmq.MAX_SOCKETS) < sockets:
-        context.set(zmq.MAX_SOCKETS, min(sockets, context.get(zmq.SOCKET_LIMIT)))
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 2 * sockets + 256
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _opening_clear(ts: float, dp_rank: int) -> bytes:
@@ -222,7 +201,7 @@ class Relay(ClosedOnExit):
         pipeline)."""
         self.heartbeat_s = heartbeat_s
         self._snapshots: queue.SimpleQueue[
-            tuple[Source, Future[tuple[int, list[bytes]] | None]]
+            tuple[Source, int, Future[tuple[int, list[bytes]] | None]]
         ] = queue.SimpleQueue()
         self._beat_check = 0.0
         """When :meth:`_heartbeat` next looks at the outputs (monotonic)."""
@@ -292,13 +271,13 @@ class Relay(ClosedOnExit):
             self._heartbeat(self.heartbeat_s)
         return len(items)
 
-    def _snapshot_provider(self, source: Source) -> Callable[[], tuple[int, list[bytes]] | None]:
+    def _snapshot_provider(self, source: Source) -> SnapshotProvider:
         """What ``source``'s publisher calls, on its replay thread, for a request older than
         its buffer: the request is queued for the relay's thread (:meth:`_answer_snapshots`)."""
 
-        def provide() -> tuple[int, list[bytes]] | None:
+        def provide(start_seq: int) -> tuple[int, list[bytes]] | None:
             future: Future[tuple[int, list[bytes]] | None] = Future()
-            self._snapshots.put((source, future))
+            self._snapshots.put((source, start_seq, future))
             try:
                 return future.result(SNAPSHOT_TIMEOUT_S)
             except (FutureTimeout, CancelledError):
@@ -309,10 +288,12 @@ class Relay(ClosedOnExit):
 
     def _answer_snapshots(self) -> None:
         """Take the snapshots the replay threads asked for, on the relay's thread: the state
-        as of the last batch published, with the seq the next one will get."""
+        as of the last batch published, with the seq the next one will get. Numbered from the
+        seq asked for, its payloads must stay below that one: if they would not, empty
+        batches (heartbeats) are published first, as many as that takes."""
         while True:
             try:
-                source, future = self._snapshots.get_nowait()
+                source, start_seq, future = self._snapshots.get_nowait()
             except queue.Empty:
                 return
             if not future.set_running_or_notify_cancel():
@@ -323,8 +304,11 @@ class Relay(ClosedOnExit):
                 for batch in self.pipeline.snapshot(source)
                 for payload in batch.canonical_payloads(now)
             ]
+            publisher = self.outputs[source]
+            while publisher.next_seq < start_seq + len(payloads):
+                self._publish_empty(source, publisher)
             self.output_stats.snapshots += 1
-            future.set_result((self.outputs[source].next_seq, payloads))
+            future.set_result((publisher.next_seq, payloads))
 
     def _heartbeat(self, interval: float) -> None:
         """An empty batch with the next seq on every output idle for ``interval`` seconds."""
@@ -335,9 +319,13 @@ class Relay(ClosedOnExit):
         for source, publisher in self.outputs.items():
             if now - publisher.last_sent < interval:
                 continue
-            rank = self.pipeline.source_ranks(source)[-1]
-            publisher.publish(msgspec.msgpack.encode((time.time(), [], rank)))
-            self.output_stats.heartbeats += 1
+            self._publish_empty(source, publisher)
+
+    def _publish_empty(self, source: Source, publisher: Publisher) -> None:
+        """A heartbeat: an empty batch with the next seq, of the source's last rank."""
+        rank = self.pipeline.source_ranks(source)[-1]
+        publisher.publish(msgspec.msgpack.encode((time.time(), [], rank)))
+        self.output_stats.heartbeats += 1
 
     def _publish_held(self) -> None:
         """Publish the held batches, each output's merged. Outputs are streams of their own:
@@ -392,7 +380,7 @@ class Relay(ClosedOnExit):
         if self._thread is not None:
             self._thread.join(_STOP_TIMEOUT_S)
         while not self._snapshots.empty():  # no thread will take them now
-            self._snapshots.get_nowait()[1].cancel()
+            self._snapshots.get_nowait()[2].cancel()
         self.subscriber.close()
         if self._replays is not None:
             self._replays.close()

@@ -2,7 +2,8 @@
 stream and how it answers vLLM's replay requests.
 
 It is a module of its own because it is a job of its own, with its own thread and socket: the
-publisher's live stream only appends to a :class:`ReplayBuffer`, while a :class:`ReplaySocket`
+publisher's live stream only appends to a
+:class:`~kvbridge.adapters.replay_buffer.ReplayBuffer`, while a :class:`ReplaySocket`
 (one bound ROUTER socket) answers requests from that buffer, or from a snapshot for a request
 older than the buffer, on whichever thread serves replays. A :class:`ReplayServer` serves the
 ROUTER sockets of many publishers from one thread.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import enum
 import functools
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Final, Self
 
@@ -36,9 +37,10 @@ import zmq
 
 from kvbridge.adapters.endpoints import allow_ipv6
 from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.replay_buffer import ReplayBuffer
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
 
-__all__ = ["AnswerCut", "ReplayBuffer", "ReplayServer", "ReplaySocket", "last_endpoint"]
+__all__ = ["AnswerCut", "ReplayServer", "ReplaySocket", "last_endpoint"]
 
 log = structlog.get_logger("kvbridge.zmq")
 
@@ -90,95 +92,6 @@ def last_endpoint(socket: zmq.Socket[bytes]) -> str:
     if isinstance(value, bytes):
         return value.decode()
     return str(value)
-
-
-class ReplayBuffer:
-    """The last ``buffer_steps`` batches of a stream, with their seqs, and the seq of the next;
-    with ``buffer_bytes``, no more of them than fit in that many payload bytes (the newest is
-    kept whatever its size).
-
-    The publishing thread appends and the replay thread reads, so a lock guards it.
-    """
-
-    def __init__(self, buffer_steps: int, first_seq: int, buffer_bytes: int | None = None) -> None:
-        self._lock = threading.Lock()
-        self._batches: deque[tuple[int, bytes]] = deque()
-        self._steps = buffer_steps
-        self._max_bytes = buffer_bytes
-        self._bytes = 0
-        """Payload bytes held."""
-        self._next_seq = first_seq
-        self.snapshot: Callable[[], tuple[int, list[bytes]] | None] | None = None
-        """Called on the replay thread for a request older than the buffer: ``(next_seq,
-        payloads)``, the payloads rebuilding all state as of just before ``next_seq``, or
-        ``None`` (then the buffer is replayed as usual)."""
-
-    @property
-    def steps(self) -> int:
-        """How many batches it holds at the most (``buffer_steps``)."""
-        return self._steps
-
-    @property
-    def next_seq(self) -> int:
-        """The seq :meth:`append` without an explicit ``seq`` will use."""
-        with self._lock:
-            return self._next_seq
-
-    def append(self, payload: bytes, seq: int | None) -> int:
-        """Keep ``payload`` under ``seq`` (by default the next one) and return the seq used;
-        the next one is ``seq + 1``.
-
-        A payload that is not ``bytes`` (a ``bytearray`` from an untyped caller) is kept as a
-        copy: answers send the buffer's payloads without copying them, so they must never
-        change or move while ZMQ holds them."""
-        if type(payload) is not bytes:
-            payload = bytes(payload)
-        with self._lock:
-            used = self._next_seq if seq is None else seq
-            self._next_seq = used + 1
-            batches = self._batches
-            if self._steps == 0:
-                return used
-            batches.append((used, payload))
-            self._bytes += len(payload)
-            bound = self._max_bytes
-            while len(batches) > self._steps or (
-                bound is not None and self._bytes > bound and len(batches) > 1
-            ):
-                self._bytes -= len(batches.popleft()[1])
-        return used
-
-    def restart(self) -> None:
-        """Forget every batch; the next seq is 0, as after an engine restart."""
-        with self._lock:
-            self._next_seq = 0
-            self._batches.clear()
-            self._bytes = 0
-
-    def answer(self, start_seq: int) -> list[tuple[int, bytes]]:
-        """The ``(seq, payload)`` batches that answer a request from ``start_seq``: the buffered
-        ones from there on, preceded by the snapshot's payloads if the request is older than
-        the buffer and there is a snapshot."""
-        with self._lock:
-            batches = self._batches
-            older = start_seq < (batches[0][0] if batches else self._next_seq)
-            provider = self.snapshot
-            if not older or provider is None:
-                # read under the lock that decided, so that no batch it counted on goes first
-                return [(seq, payload) for seq, payload in batches if seq >= start_seq]
-        answer: list[tuple[int, bytes]] = []
-        snapshot = provider()
-        if snapshot is not None:
-            # Numbered from the seq asked for (Dynamo's listener calls a replay that starts
-            # later "incomplete"); the buffered batches from the snapshot's point follow. A
-            # listener re-applies the live batches it holds after them: replaying a suffix of
-            # the stream on top of its result changes nothing.
-            next_seq, payloads = snapshot
-            answer = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
-            start_seq = max(next_seq, start_seq + len(payloads))
-        with self._lock:
-            answer += [(seq, payload) for seq, payload in self._batches if seq >= start_seq]
-        return answer
 
 
 class ReplaySocket:
