@@ -9,6 +9,8 @@ The publisher and replay protocol: README.md, "The relay in front of Dynamo".
 
 from __future__ import annotations
 
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -400,6 +402,54 @@ def test_malformed_replay_requests_are_ignored(ctx: zmq.Context[zmq.Socket[bytes
             [b"", b"", seq8(0), b"b0"],
             [b"", b"", END_SEQ, b""],
         ]
+
+
+def _zmtp_peer(port: int, socket_type: bytes) -> socket.socket:
+    """A raw ZMTP 3.0 peer of ``socket_type`` (NULL mechanism), handshake done: frames are
+    written by hand, so that one can announce a size it never sends."""
+    peer = socket.create_connection(("127.0.0.1", port))
+    peer.settimeout(3.0)
+    peer.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    peer.sendall(b"\x04" + bytes([len(body)]) + body)
+    greeting = b""
+    while b"READY" not in greeting:  # the other side's greeting and READY
+        chunk = peer.recv(4096)
+        assert chunk, "the handshake was refused"
+        greeting += chunk
+    return peer
+
+
+def _disconnected_by_a_huge_frame(peer: socket.socket) -> bool:
+    """Announce a 2 GiB frame and send 64 MiB of it: whether the other side then closes the
+    connection (a reset, or the end of its stream) rather than read on."""
+    try:
+        peer.sendall(b"\x02" + struct.pack(">Q", 2**31))
+        for _ in range(64):
+            peer.sendall(bytes(1 << 20))
+        return peer.recv(4096) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("socket_type", "which"), [(b"DEALER", "replay ROUTER"), (b"SUB", "PUB")], ids=str
+)
+def test_a_peer_announcing_a_huge_frame_is_disconnected(socket_type: bytes, which: str) -> None:
+    """The publisher's sockets receive only replay requests and subscriptions, a few bytes
+    each: a peer that announces a 2 GiB frame is disconnected at the frame's header, not given
+    the memory it announced (it held 400 MiB of it, sent and left idle, before the bound)."""
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
+        pub.start_replay_thread()
+        endpoint = pub.replay_endpoint if which == "replay ROUTER" else pub.endpoint
+        assert endpoint is not None
+        peer = _zmtp_peer(int(endpoint.rsplit(":", 1)[1]), socket_type)
+        before = rss_mb()
+        assert _disconnected_by_a_huge_frame(peer)
+        peer.close()
+        assert rss_mb() - before < 32
 
 
 def test_replay_thread_owns_router(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -50,7 +50,13 @@ from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, should_bind
 from kvbridge.adapters.replay_buffer import ReplayBuffer, SnapshotProvider
 from kvbridge.adapters.replay_server import AnswerCut, ReplaySocket, last_endpoint
 
-__all__ = ["DEFAULT_BUFFER_STEPS", "MAX_BUFFER_STEPS", "MAX_SEQ", "Publisher"]
+__all__ = [
+    "DEFAULT_BUFFER_STEPS",
+    "MAX_BUFFER_STEPS",
+    "MAX_SEQ",
+    "SUBSCRIPTION_MAX_BYTES",
+    "Publisher",
+]
 
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
@@ -59,6 +65,10 @@ MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
 """The most batches a replay buffer may hold: the replay socket's high-water mark has room for
 two whole answers of them (``2 * (buffer_steps + 2)`` messages), within :data:`MAX_HWM`."""
 
+SUBSCRIPTION_MAX_BYTES: Final = 4096
+"""``MAXMSGSIZE`` of the PUB socket, which receives only its subscribers' subscriptions (a
+topic prefix): a peer that announces a larger frame is disconnected at its header, before
+libzmq makes room for it (see :data:`~kvbridge.adapters.replay_server.REQUEST_MAX_BYTES`)."""
 MAX_SEQ: Final[int] = 2**64 - 2
 """Largest publishable seq; 2**64 - 1 would be indistinguishable from
 :data:`~kvbridge.adapters.replay_protocol.END_SEQ`."""
@@ -133,6 +143,7 @@ class Publisher(ClosedOnExit):
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES)
             # Watch handshakes before any peer can arrive, for wait_for_subscribers().
             self._monitor = self._pub.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED

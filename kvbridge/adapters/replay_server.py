@@ -40,13 +40,18 @@ from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_buffer import ReplayBuffer
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
 
-__all__ = ["AnswerCut", "ReplayServer", "ReplaySocket", "last_endpoint"]
+__all__ = ["REQUEST_MAX_BYTES", "AnswerCut", "ReplayServer", "ReplaySocket", "last_endpoint"]
 
 log = structlog.get_logger("kvbridge.zmq")
 
 _REPLAY_POLL_MS: Final[int] = 50
 """How long a replay thread waits per poll, bounding how fast it stops."""
 _SHARED_FRAME_BYTES: Final = 1024
+REQUEST_MAX_BYTES: Final = 256
+"""``MAXMSGSIZE`` of a replay ROUTER: a request's frames are an empty delimiter and 8 bytes. A
+peer that announces a larger frame is disconnected at its header, before libzmq makes room
+for it: without the bound, a peer that announced gigabytes and sent part of them held that
+much of the relay's memory for as long as it stayed connected."""
 """Answer frames from this size up are sent without a copy: ZMQ's message holds the buffer's
 own payload. A peer that asks and never reads then costs the relay its queued messages, not a
 copy of every payload in them per answer: 10 such peers asking twice for 200 payloads of
@@ -130,6 +135,7 @@ class ReplaySocket:
             self._socket.setsockopt(zmq.LINGER, 0)
             # Refuse, rather than drop, what a peer cannot take (sends are non-blocking).
             self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, REQUEST_MAX_BYTES)
             # Room for two whole answers: every buffered batch, or a snapshot of a one-rank
             # source (one payload) and the batches after it, then the end marker.
             self._socket.setsockopt(zmq.SNDHWM, 2 * (buffer.steps + 2))
