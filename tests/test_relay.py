@@ -982,6 +982,32 @@ def test_a_snapshot_whose_point_left_the_buffer_is_taken_again() -> None:
     assert [event["token_ids"][0] // 4 for event in events[1:]] == [1, 2, 3, 100, 101, 102]
 
 
+def test_a_relay_that_cannot_bind_an_output_closes_what_it_opened() -> None:
+    """Output 1's port is taken: the relay raises, and leaves nothing open behind it (output
+    0's PUB and replay ROUTER, its subscriber's sockets), so that the same relay can be made
+    once the port is free."""
+    base = free_port_range(6)
+    ctx = zmq.Context()
+    sources = [Source(f"tcp://127.0.0.1:{base + rank}", worker_id=1) for rank in (0, 1)]
+    relay_ports = {
+        "block_size": BLOCK_SIZE,
+        "publish": f"tcp://127.0.0.1:{base + 2}",
+        "publish_replay": f"tcp://127.0.0.1:{base + 4}",
+        "context": ctx,
+    }
+    squatter = ctx.socket(zmq.PUB)
+    squatter.bind(f"tcp://127.0.0.1:{base + 3}")
+    with pytest.raises(zmq.ZMQError, match="Address already in use"):
+        Relay(sources, **relay_ports)
+    squatter.close(linger=0)
+    with Relay(sources, **relay_ports) as relay:
+        assert [relay.endpoints(source) for source in sources] == [
+            (f"tcp://127.0.0.1:{base + 2 + rank}", f"tcp://127.0.0.1:{base + 4 + rank}")
+            for rank in (0, 1)
+        ]
+    ctx.destroy(linger=0)
+
+
 # --------------------------------------------------------------------------- 7. a relay that stops
 
 

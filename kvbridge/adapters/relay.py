@@ -187,6 +187,15 @@ class Relay(ClosedOnExit):
         self.context = context or zmq.Context.instance()
         per_source = SOCKETS_PER_SOURCE if publish is not None else SOCKETS_PER_SOURCE - 4
         raise_limits(self.context, len(sources) * per_source + SOCKET_HEADROOM)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: Exception | None = None
+        self.outputs: dict[Source, Publisher] = {}
+        self._replays: ReplayServer | None = None
+        """One thread and one poller serve every output's replays (not a thread each)."""
+        self._snapshots: queue.SimpleQueue[
+            tuple[Source, int, Future[tuple[int, list[bytes]] | None]]
+        ] = queue.SimpleQueue()
         self.subscriber = Subscriber(
             sources,
             context=self.context,
@@ -200,9 +209,6 @@ class Relay(ClosedOnExit):
         """Batches in and out and the payloads that do not decode (shared with the
         pipeline)."""
         self.heartbeat_s = heartbeat_s
-        self._snapshots: queue.SimpleQueue[
-            tuple[Source, int, Future[tuple[int, list[bytes]] | None]]
-        ] = queue.SimpleQueue()
         self._beat_check = 0.0
         """When :meth:`_heartbeat` next looks at the outputs (monotonic)."""
         self.output_stats = OutputStats()
@@ -212,40 +218,41 @@ class Relay(ClosedOnExit):
         )
         self.workers: dict[int, WorkerState] = self.pipeline.workers
         """Each worker's normalizer and lag, by worker id (the pipeline's own)."""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failure: Exception | None = None
-        self.outputs: dict[Source, Publisher] = {}
         self._held: list[_Held] = []
         """Batches normalized and not yet published, in stream order (see :meth:`step`)."""
         first_seq = time.time_ns() // 1000
-        for offset, source in enumerate(sources):
-            self.pipeline.add_source(source)
-            if publish is None:
-                continue
-            publisher = Publisher(
-                offset_endpoint(publish, offset),
-                replay_endpoint=offset_endpoint(publish_replay, offset) if publish_replay else None,
-                topic=topic,
-                buffer_steps=buffer_steps,
-                buffer_bytes=buffer_bytes,
-                context=self.context,
-                bind=True,
-                first_seq=first_seq,
-                hwm=output_hwm_for(merge_bytes) if output_hwm is None else output_hwm,
-            )
-            self.outputs[source] = publisher
-            self.pipeline.add_source(source, _HeldSink(publisher, self._held))
-            (rank,) = self.pipeline.source_ranks(source)
-            publisher.publish(_opening_clear(time.time(), rank))
-            self.output_stats.opened += 1
-            if publish_replay:
-                publisher.snapshot = self._snapshot_provider(source)
-        replaying = [
-            p.replay_socket() for p in self.outputs.values() if p.replay_endpoint is not None
-        ]
-        self._replays = ReplayServer(replaying).start() if replaying else None
-        """One thread and one poller serve every output's replays (not a thread each)."""
+        try:
+            for offset, source in enumerate(sources):
+                self.pipeline.add_source(source)
+                if publish is None:
+                    continue
+                publisher = Publisher(
+                    offset_endpoint(publish, offset),
+                    replay_endpoint=offset_endpoint(publish_replay, offset)
+                    if publish_replay
+                    else None,
+                    topic=topic,
+                    buffer_steps=buffer_steps,
+                    buffer_bytes=buffer_bytes,
+                    context=self.context,
+                    bind=True,
+                    first_seq=first_seq,
+                    hwm=output_hwm_for(merge_bytes) if output_hwm is None else output_hwm,
+                )
+                self.outputs[source] = publisher
+                self.pipeline.add_source(source, _HeldSink(publisher, self._held))
+                (rank,) = self.pipeline.source_ranks(source)
+                publisher.publish(_opening_clear(time.time(), rank))
+                self.output_stats.opened += 1
+                if publish_replay:
+                    publisher.snapshot = self._snapshot_provider(source)
+            replaying = [
+                p.replay_socket() for p in self.outputs.values() if p.replay_endpoint is not None
+            ]
+            self._replays = ReplayServer(replaying).start() if replaying else None
+        except BaseException:  # what was made is closed: nothing bound or read stays behind
+            self.close()
+            raise
 
     def endpoints(self, source: Source) -> tuple[str, str | None]:
         """The bound publish and replay endpoints that republish ``source``."""
