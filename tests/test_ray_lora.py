@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Source
 from kvbridge.ray_integration import KVEventsAdvert, RoutingState
+from kvbridge.ray_integration.decisions import Release
 from kvbridge.ray_integration.engine_config import KVEventPorts
 from kvbridge.ray_integration.prompt import prompt_cache_salt, prompt_tokens
 from kvbridge.schemas.vllm import BlockStored
@@ -203,3 +205,49 @@ def test_prompt_cache_salt_reads_what_vllm_takes() -> None:
     assert prompt_cache_salt([{"cache_salt": 7}], {}) is None
     assert prompt_cache_salt([{"cache_salt": "dynamo-cache-salt:"}], {}) is None
     assert prompt_cache_salt([{"cache_salt": "dynamo-cache-salt:x"}], {}) == "x"
+
+
+def test_a_completion_from_another_replica_leaves_the_reservation(
+    workers: tuple[RelayedWorker, RelayedWorker],
+) -> None:
+    """Dynamo picked A, and Serve placed the request on B (A was full, a lower rank): the
+    reservation moved to B. A completion reported for A is an earlier attempt's, which A
+    rejected: the reservation stays with the request on B until B's completion."""
+    a, b = workers
+    state = RoutingState("completion#test", block_size=BLOCK)
+    try:
+        registering = state.sync(
+            {"replica-a": a.advert.routing_stats(), "replica-b": b.advert.routing_stats()},
+            complete=True,
+        )
+        assert registering is not None
+        registering.result(10)
+        ready = state.ready_workers(["replica-a", "replica-b"])
+        a.store(None)
+
+        def picked_a() -> bool:
+            choice = asyncio.run(state.choose("probe", TOKENS, ready))
+            state.release("probe")
+            return ready[choice.worker_id] == "replica-a" and choice.overlap.device == 6
+
+        deadline = time.monotonic() + 5
+        while not picked_a():
+            assert time.monotonic() < deadline, "Dynamo never indexed A"
+            time.sleep(0.05)
+        while state.held.in_flight():  # the probes' frees, counted when applied
+            time.sleep(0.05)
+        releases = Counter(state.stats.registry.releases)
+        asyncio.run(state.choose("r1", TOKENS, ready))
+        state.routed("r1", "replica-b")
+        state.release("r1", "replica-a")
+        assert state.reservations == 1
+        state.release("r1", "replica-b")
+        assert state.reservations == 0
+        expected = Counter({Release.MOVED: 1, Release.FREED: 1})
+        deadline = time.monotonic() + 5  # frees are counted when Dynamo has applied them
+        while state.stats.registry.releases - releases != expected:
+            assert time.monotonic() < deadline, state.stats.registry
+            time.sleep(0.05)
+        assert state.client.active_reservations() == 0
+    finally:
+        state.close()

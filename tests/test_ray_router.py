@@ -68,6 +68,8 @@ def deploy(
     token_shift: int = 0,
     health_check_period_s: float | None = None,
     tokenizer: str | None = None,
+    max_ongoing_requests: int = 8,
+    hold_s: float = 0.0,
 ) -> Any:
     """Run the app: ``router=None`` keeps Serve's default (power of two choices). Serve keeps
     one router per deployment per process, so each router needs an app name of its own."""
@@ -75,7 +77,7 @@ def deploy(
         "name": DEPLOYMENT,
         "num_replicas": num_replicas,
         "ray_actor_options": {"num_cpus": 0},
-        "max_ongoing_requests": 8,
+        "max_ongoing_requests": max_ongoing_requests,
     }
     if health_check_period_s is not None:
         options["health_check_period_s"] = health_check_period_s
@@ -92,7 +94,11 @@ def deploy(
             request_routing_stats_period_s=0.5,
         )
     bound = serve.deployment(**options)(SimulatedReplica).bind(
-        block_size=BLOCK_SIZE, num_blocks=GPU_BLOCKS, cpu_blocks=CPU_BLOCKS, token_shift=token_shift
+        block_size=BLOCK_SIZE,
+        num_blocks=GPU_BLOCKS,
+        cpu_blocks=CPU_BLOCKS,
+        token_shift=token_shift,
+        hold_s=hold_s,
     )
     return serve.run(bound, name=app, route_prefix=None)
 
@@ -234,6 +240,34 @@ def test_a_tokenizer_hook_that_fails_routes_the_request_without_dynamo(
     decisions = list(state.stats.decisions)[-3:]
     assert [decision.fallback for decision in decisions] == ["no_tokens", None, "no_tokens"]
     serve.delete("hook")
+
+
+def test_a_request_given_up_before_it_is_placed_frees_its_reservation(
+    ray_cluster: None,
+) -> None:
+    """The only replica is busy (one request at a time), so the next request, reserved by
+    Dynamo's pick, waits for it; its caller gives it up. Serve then reports neither a placement
+    nor a completion, and the reservation would price the replica as loaded for its hour to
+    live: it is freed at once, counted ``cancelled``, and the busy request's stays."""
+    handle = deploy(
+        DynamoKVRouter, app="given-up", num_replicas=1, max_ongoing_requests=1, hold_s=3.0
+    )
+    state = wait_registered(handle, replica_ids(handle, 1), app="given-up")
+    releases = Counter(state.stats.registry.releases)
+    busy = handle.remote(prompt_token_ids=list(range(1, 65)), max_tokens=1)
+    wait_until(lambda: state.reservations == 1, what="the busy request's reservation")
+    waiting = handle.remote(prompt_token_ids=list(range(100, 164)), max_tokens=1)
+    wait_until(lambda: state.reservations == 2, what="the waiting request's reservation")
+    waiting.cancel()
+    wait_until(lambda: state.reservations == 1, timeout=2.0, what="the given-up one freed")
+    assert state.stats.registry.releases - releases == Counter({Release.CANCELLED: 1})
+    busy.result()
+    wait_until(lambda: state.client.active_reservations() == 0, what="reservations freed")
+    assert state.reservations == 0
+    assert state.stats.registry.releases - releases == Counter(
+        {Release.CANCELLED: 1, Release.FREED: 1}
+    )
+    serve.delete("given-up")
 
 
 def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -> None:

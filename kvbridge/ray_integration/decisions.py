@@ -79,6 +79,9 @@ class Release(StrEnum):
     """Serve placed the request on another replica than Dynamo's pick; it was booked there."""
     EXPIRED = "expired"
     """No completion arrived within the reservation's time to live."""
+    CANCELLED = "cancelled"
+    """The caller gave the request up before Serve placed it (Serve then reports neither a
+    placement nor a completion)."""
 
 
 @dataclass

@@ -15,7 +15,9 @@ value, which would copy the state.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import weakref
 from array import array
 from typing import Any, cast
 
@@ -104,6 +106,9 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             raise ValueError(f"select_timeout_s must be positive, got {select_timeout_s}")
         self._tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
         self._dp_rank_kwarg = dp_rank_kwarg
+        self._watched: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
+        """The futures of requests placed by Dynamo's pick and not yet settled, each watched
+        for its caller's cancellation (:meth:`_watch_cancellation`)."""
         self._results: dict[str, ray.ObjectRef[Any]] = {}
         """Results of requests Serve placed, by request id, until they complete."""
         self._candidates_cache: (
@@ -171,12 +176,32 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 request_id, no_choice.reason, time.perf_counter() - started, no_choice.detail
             )
             return fallback
+        self._watch_cancellation(pending_request)
         if self._dp_rank_kwarg is not None:
             pending_request.kwargs[self._dp_rank_kwarg] = choice.dp_rank
         # Every rank below holds all candidates: when all are full, back off before retrying.
         pending_request.routing_context.should_backoff = True
         ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
         return [group for group in ranked if group]
+
+    def _watch_cancellation(self, pending_request: PendingRequest) -> None:
+        """Free the request's reservation if its caller gives it up before Serve places it:
+        Serve then cancels the request's future, and calls neither :meth:`on_request_routed`
+        nor :meth:`on_request_completed`, so the reservation would stay booked in Dynamo, and
+        price the replica as loaded, for its whole time to live. Once per future (a retry
+        gets a new one)."""
+        future = pending_request.future
+        if future in self._watched:
+            return
+        self._watched.add(future)
+        request_id = pending_request.metadata.internal_request_id
+
+        def settled(done: asyncio.Future[Any]) -> None:
+            self._watched.discard(done)
+            if done.cancelled():
+                self._routing.cancelled(request_id)
+
+        future.add_done_callback(settled)
 
     def _prompt_tokens(self, pending_request: PendingRequest) -> array[int] | None:
         """The request's prompt token ids, ``None`` without any. The ``tokenizer`` hook is the
@@ -220,7 +245,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._results.pop(internal_request_id, None)
-        self._routing.release(internal_request_id)
+        self._routing.release(internal_request_id, replica_id.unique_id)
 
     def _release_finished(self) -> None:
         """Release the reservations of requests whose result is already in the object store.

@@ -40,6 +40,10 @@ class Reservation:
     choice: Choice
     created: float
     prompt: dict[str, Any]
+    booking: concurrent.futures.Future[Any] | None = None
+    """A moved reservation's ``create_reservation``, submitted and perhaps not yet applied:
+    its free is sent once that is done, or the free could reach Dynamo first, fail, and leave
+    the booking to stay for good."""
 
 
 class Reservations:
@@ -96,7 +100,9 @@ class Reservations:
         """Keep ``choice`` (``held``'s, ranked) unless the request's reservation changed since."""
         with self._lock:
             if self._held.get(request_id) is held:
-                self._held[request_id] = Reservation(choice, held.created, held.prompt)
+                self._held[request_id] = Reservation(
+                    choice, held.created, held.prompt, held.booking
+                )
 
     def move(self, request_id: str, worker_id: int, dp_rank: int) -> None:
         """Serve placed the request on ``worker_id``. If that is not Dynamo's pick (the pick was
@@ -108,8 +114,9 @@ class Reservations:
                 return
             selection_id = self.selection_id(request_id)
             moved = Choice(selection_id, worker_id, dp_rank, held.choice.ranking, Overlap(0, 0, 0))
-            self._held[request_id] = Reservation(moved, held.created, held.prompt)
-        self.free(held.choice.selection_id, Release.MOVED)
+            booking: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            self._held[request_id] = Reservation(moved, held.created, held.prompt, booking)
+        self._free_held(held, Release.MOVED)
         request: dict[str, Any] = {
             "selection_id": selection_id,
             "model_name": self.model_name,
@@ -118,18 +125,30 @@ class Reservations:
             "sequence_hashes": held.prompt["sequence_hashes"],
             "isl_tokens": held.prompt["isl_tokens"],
         }
-        self.client.submit("create_reservation", request)
+        created = self.client.submit("create_reservation", request)
+        created.add_done_callback(lambda _: booking.set_result(None))
 
-    def release(self, request_id: str) -> None:
-        """Free the request's reservation (its attempt completed), then check its tokens.
-        Idempotent."""
+    def release(self, request_id: str, worker_id: int | None = None) -> None:
+        """Free the request's reservation (its attempt completed on ``worker_id``, if known),
+        then check its tokens. Idempotent. A completion from another worker than the one the
+        reservation is on is an earlier attempt's, which that worker rejected, reported after
+        Serve placed the request elsewhere: the reservation stays with the request."""
         with self._lock:
-            held = self._held.pop(request_id, None)
-        if held is None:
-            return
-        self.free(held.choice.selection_id, Release.FREED)
+            held = self._held.get(request_id)
+            if held is None or worker_id not in (None, held.choice.worker_id):
+                return
+            del self._held[request_id]
+        self._free_held(held, Release.FREED)
         if self._token_check is not None and held.prompt["block_hashes"]:
             self._check_later(held)
+
+    def cancel(self, request_id: str) -> None:
+        """Free the reservation of a request its caller gave up before Serve placed it: it
+        never ran, so its tokens are not checked. Idempotent."""
+        with self._lock:
+            held = self._held.pop(request_id, None)
+        if held is not None:
+            self._free_held(held, Release.CANCELLED)
 
     def _check_later(self, held: Reservation) -> None:
         check, delay = self._token_check, self._token_check_delay_s
@@ -157,16 +176,16 @@ class Reservations:
 
     def expire(self, now: float) -> None:
         """Free the reservations older than the TTL (``now`` from ``time.monotonic()``)."""
-        expired: list[str] = []
+        expired: list[Reservation] = []
         with self._lock:
             while self._held:
                 request_id, held = next(iter(self._held.items()))
                 if now - held.created < self.ttl_s:
                     break
                 del self._held[request_id]
-                expired.append(held.choice.selection_id)
-        for selection_id in expired:
-            self.free(selection_id, Release.EXPIRED)
+                expired.append(held)
+        for held in expired:
+            self._free_held(held, Release.EXPIRED)
 
     def free_late(self, future: asyncio.Future[Choice]) -> None:
         """A selection that answered after its timeout reserved load nobody will use: free it."""
@@ -174,15 +193,32 @@ class Reservations:
             return
         self.free(future.result().selection_id, Release.LATE_FREED)
 
+    def _free_held(self, held: Reservation, outcome: Release) -> None:
+        """Free ``held``'s booking, after its ``create_reservation`` if that is still on its
+        way (see :attr:`Reservation.booking`); the wait counts as a free in flight."""
+        booking, selection_id = held.booking, held.choice.selection_id
+        if booking is None or booking.done():
+            self.free(selection_id, outcome)
+            return
+        with self._lock:
+            self._freeing.add(booking)
+
+        def booked(done: concurrent.futures.Future[Any]) -> None:
+            self.free(selection_id, outcome)
+            with self._lock:
+                self._freeing.discard(done)
+
+        booking.add_done_callback(booked)
+
     def free(self, selection_id: str, outcome: Release) -> None:
         def done(future: concurrent.futures.Future[Any]) -> None:
-            with self._lock:
-                self._freeing.discard(future)
             if future.cancelled() or future.exception() is not None:
                 self.counts.free_failed += 1
                 log.warning("free_reservation failed", selection_id=selection_id)
             else:
                 self.counts.releases[outcome] += 1
+            with self._lock:  # counted first: a free out of in_flight() is counted
+                self._freeing.discard(future)
 
         future = self.client.submit("free_reservation", selection_id)
         with self._lock:
