@@ -404,6 +404,37 @@ def test_malformed_replay_requests_are_ignored(ctx: zmq.Context[zmq.Socket[bytes
         ]
 
 
+def test_peers_with_the_longest_routing_id_and_a_long_topic_are_served(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The bounds on what the publisher's sockets receive admit every legitimate peer: a
+    DEALER with a routing id of 255 bytes (the longest ZMQ allows; its handshake is about 300
+    bytes) is answered, and a SUB of a 60,000-byte topic gets the batches under it."""
+    topic = "t" * 60_000
+    with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, topic=topic) as pub:
+        assert pub.replay_endpoint is not None
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sub.connect(pub.endpoint)
+        assert pub.wait_for_subscribers(timeout=5)
+        time.sleep(0.2)  # the subscription reaches the PUB after the handshake
+        pub.publish(b"b0")
+        assert sub.recv_multipart() == [topic.encode(), seq8(0), b"b0"]
+        sub.close()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        sock.setsockopt(zmq.ROUTING_ID, b"i" * 255)
+        sock.connect(pub.replay_endpoint)
+        assert request_replay(pub, sock, 0) == [
+            [b"", topic.encode(), seq8(0), b"b0"],
+            [b"", b"", END_SEQ, b""],
+        ]
+        sock.close()
+
+
 def _zmtp_peer(port: int, socket_type: bytes) -> socket.socket:
     """A raw ZMTP 3.0 peer of ``socket_type`` (NULL mechanism), handshake done: frames are
     written by hand, so that one can announce a size it never sends."""
@@ -438,9 +469,10 @@ def _disconnected_by_a_huge_frame(peer: socket.socket) -> bool:
     ("socket_type", "which"), [(b"DEALER", "replay ROUTER"), (b"SUB", "PUB")], ids=str
 )
 def test_a_peer_announcing_a_huge_frame_is_disconnected(socket_type: bytes, which: str) -> None:
-    """The publisher's sockets receive only replay requests and subscriptions, a few bytes
-    each: a peer that announces a 2 GiB frame is disconnected at the frame's header, not given
-    the memory it announced (it held 400 MiB of it, sent and left idle, before the bound)."""
+    """The publisher's sockets receive only handshakes, replay requests and subscriptions,
+    small frames: a peer that announces a 2 GiB frame is disconnected at the frame's header,
+    not given the memory it announced (it held 400 MiB of it, sent and left idle, before the
+    bound)."""
     with Publisher(LOCAL, bind=True, replay_endpoint=LOCAL) as pub:
         pub.start_replay_thread()
         endpoint = pub.replay_endpoint if which == "replay ROUTER" else pub.endpoint

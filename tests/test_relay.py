@@ -49,6 +49,7 @@ from kvbridge.adapters.relay import (
     Relay,
     output_hwm_for,
 )
+from kvbridge.adapters.replay_buffer import SNAPSHOT_ATTEMPTS
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Source
 from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payloads
@@ -926,12 +927,14 @@ def test_a_snapshot_never_takes_the_seq_of_a_live_batch() -> None:
     assert heartbeats == 1
 
 
-def test_a_snapshot_whose_point_left_the_buffer_is_taken_again() -> None:
+@pytest.mark.parametrize("held", [1, SNAPSHOT_ATTEMPTS], ids=["once", "every time"])
+def test_a_snapshot_whose_point_left_the_buffer_is_taken_again(held: int) -> None:
     """The replay thread reads the buffer after the relay's thread took the snapshot; batches
     published between the two can push the snapshot's point out of a small buffer, and the
     answer would skip them. Here the replay thread is held after the first snapshot (as the OS
     could deschedule it) while three batches go out: the snapshot is taken again, and the
-    answer holds every block."""
+    answer holds every block. Held after every one, the last snapshot still goes out, with the
+    buffer's batches after its point: a listener without one would hold no state at all."""
     ctx = zmq.Context()
     engine, source, relay = _snapshot_relay(ctx, buffer_steps=2)
     output = relay.outputs[source]
@@ -944,9 +947,10 @@ def test_a_snapshot_whose_point_left_the_buffer_is_taken_again() -> None:
         snapshot = provider(start_seq)
         assert snapshot is not None
         points.append(snapshot[0])
-        if len(points) == 1:
+        if len(points) <= held:
             taken.set()
             resume.wait(5)
+            resume.clear()
         return snapshot
 
     output.snapshot = held_once
@@ -968,18 +972,27 @@ def test_a_snapshot_whose_point_left_the_buffer_is_taken_again() -> None:
         )
         answers: list[list[tuple[int, tuple[float, list[dict[str, Any]], int]]]] = []
         answering.start()
-        assert taken.wait(5)
-        for block in (100, 101, 102):
-            publish(block)
-        resume.set()
+        for round_ in range(held):
+            assert taken.wait(5)
+            taken.clear()
+            for block in range(100 + 3 * round_, 103 + 3 * round_):
+                publish(block)
+            resume.set()
         answering.join(10)
     ctx.term()
 
-    assert points[1] == points[0] + 3
-    [(seq, (_, events, _))] = answers[0]
+    assert [point - points[0] for point in points] == [3 * n for n in range(held + 1)][:3]
+    (seq, (_, events, _)), *after = answers[0]
     assert seq == 0
-    assert [event["type"] for event in events] == ["AllBlocksCleared"] + ["BlockStored"] * 6
-    assert [event["token_ids"][0] // 4 for event in events[1:]] == [1, 2, 3, 100, 101, 102]
+    stored_blocks = [event["token_ids"][0] // 4 for event in events[1:]]
+    if held == 1:
+        assert after == []
+        assert [event["type"] for event in events] == ["AllBlocksCleared"] + ["BlockStored"] * 6
+        assert stored_blocks == [1, 2, 3, 100, 101, 102]
+    else:  # the third snapshot, as of block 105, then what the buffer kept after it
+        assert stored_blocks == [1, 2, 3, *range(100, 106)]
+        assert [seq - points[-1] for seq, _ in after] == [1, 2]  # 106, at 0, was pushed out
+        assert [batch[1][0]["token_ids"][0] // 4 for _, batch in after] == [107, 108]
 
 
 def test_a_relay_that_cannot_bind_an_output_closes_what_it_opened() -> None:

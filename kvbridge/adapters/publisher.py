@@ -65,10 +65,11 @@ MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
 """The most batches a replay buffer may hold: the replay socket's high-water mark has room for
 two whole answers of them (``2 * (buffer_steps + 2)`` messages), within :data:`MAX_HWM`."""
 
-SUBSCRIPTION_MAX_BYTES: Final = 4096
-"""``MAXMSGSIZE`` of the PUB socket, which receives only its subscribers' subscriptions (a
-topic prefix): a peer that announces a larger frame is disconnected at its header, before
-libzmq makes room for it (see :data:`~kvbridge.adapters.replay_server.REQUEST_MAX_BYTES`)."""
+SUBSCRIPTION_MAX_BYTES: Final = 64 * 1024
+"""``MAXMSGSIZE`` of the PUB socket, which receives only its subscribers' handshakes and
+subscriptions (a topic prefix: a SUB whose topic is longer gets nothing): a peer that announces
+a larger frame is disconnected at its header, before libzmq makes room for it (see
+:data:`~kvbridge.adapters.replay_server.REQUEST_MAX_BYTES`)."""
 MAX_SEQ: Final[int] = 2**64 - 2
 """Largest publishable seq; 2**64 - 1 would be indistinguishable from
 :data:`~kvbridge.adapters.replay_protocol.END_SEQ`."""

@@ -23,8 +23,8 @@ batches first if need be, so that the payloads can be numbered from ``start_seq`
 ``None``. Without a snapshot the buffer is replayed as usual."""
 
 SNAPSHOT_ATTEMPTS: Final = 3
-"""Snapshots taken for one request whose point the stream pushed out of the buffer meanwhile,
-before the buffer is replayed as usual."""
+"""Snapshots taken at most for one request whose point the stream pushed out of the buffer
+before the answer was read; the last one is sent whatever the stream did."""
 
 
 class ReplayBuffer:
@@ -100,7 +100,7 @@ class ReplayBuffer:
             if not older or provider is None:
                 # read under the lock that decided, so that no batch it counted on goes first
                 return [(seq, payload) for seq, payload in batches if seq >= start_seq]
-        for _ in range(SNAPSHOT_ATTEMPTS):
+        for attempt in range(1, SNAPSHOT_ATTEMPTS + 1):
             snapshot = provider(start_seq)
             if snapshot is None:
                 break
@@ -116,8 +116,11 @@ class ReplayBuffer:
             with self._lock:
                 batches = self._batches
                 # Batches published since the snapshot may have pushed its point out of the
-                # buffer: the answer would skip them. Take the snapshot again.
-                if next_seq < (batches[0][0] if batches else self._next_seq):
+                # buffer, and the answer would skip them: take the snapshot again. The last
+                # one goes out all the same, since without it the listener would have no
+                # state at all, only the buffer's tail.
+                skipped = next_seq < (batches[0][0] if batches else self._next_seq)
+                if skipped and attempt < SNAPSHOT_ATTEMPTS:
                     continue
                 answer = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
                 return answer + [(seq, payload) for seq, payload in batches if seq >= next_seq]

@@ -47,17 +47,19 @@ log = structlog.get_logger("kvbridge.zmq")
 _REPLAY_POLL_MS: Final[int] = 50
 """How long a replay thread waits per poll, bounding how fast it stops."""
 _SHARED_FRAME_BYTES: Final = 1024
-REQUEST_MAX_BYTES: Final = 256
-"""``MAXMSGSIZE`` of a replay ROUTER: a request's frames are an empty delimiter and 8 bytes. A
-peer that announces a larger frame is disconnected at its header, before libzmq makes room
-for it: without the bound, a peer that announced gigabytes and sent part of them held that
-much of the relay's memory for as long as it stayed connected."""
 """Answer frames from this size up are sent without a copy: ZMQ's message holds the buffer's
 own payload. A peer that asks and never reads then costs the relay its queued messages, not a
 copy of every payload in them per answer: 10 such peers asking twice for 200 payloads of
 60 KB held 212 MB of copies, and hold 2.8 MB of messages shared (``tests/test_publisher.py``).
 Sharing costs the replay thread more than a copy (pyzmq frees a shared frame through its
 garbage-collector thread, a few us a message), which smaller frames would not repay."""
+REQUEST_MAX_BYTES: Final = 1024
+"""``MAXMSGSIZE`` of a replay ROUTER: a request's frames are an empty delimiter and 8 bytes,
+and the largest frame a peer sends is its handshake's READY (about 300 bytes with a routing id
+of 255, the longest ZMQ allows). A peer that announces a larger frame is disconnected at its
+header, before libzmq makes room for it: without the bound, a peer that announced gigabytes
+and sent part of them held that much of the relay's memory for as long as it stayed
+connected."""
 
 
 class AnswerCut(enum.Enum):

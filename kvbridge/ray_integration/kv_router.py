@@ -245,7 +245,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._results.pop(internal_request_id, None)
-        self._routing.release(internal_request_id, replica_id.unique_id)
+        self._routing.release(internal_request_id)
 
     def _release_finished(self) -> None:
         """Release the reservations of requests whose result is already in the object store.

@@ -128,16 +128,13 @@ class Reservations:
         created = self.client.submit("create_reservation", request)
         created.add_done_callback(lambda _: booking.set_result(None))
 
-    def release(self, request_id: str, worker_id: int | None = None) -> None:
-        """Free the request's reservation (its attempt completed on ``worker_id``, if known),
-        then check its tokens. Idempotent. A completion from another worker than the one the
-        reservation is on is an earlier attempt's, which that worker rejected, reported after
-        Serve placed the request elsewhere: the reservation stays with the request."""
+    def release(self, request_id: str) -> None:
+        """Free the request's reservation (its attempt completed), then check its tokens.
+        Idempotent."""
         with self._lock:
-            held = self._held.get(request_id)
-            if held is None or worker_id not in (None, held.choice.worker_id):
-                return
-            del self._held[request_id]
+            held = self._held.pop(request_id, None)
+        if held is None:
+            return
         self._free_held(held, Release.FREED)
         if self._token_check is not None and held.prompt["block_hashes"]:
             self._check_later(held)

@@ -328,12 +328,9 @@ class RoutingState:
         if worker is not None:
             self.held.move(request_id, worker.worker_id, worker.advert.dp_ranks[0])
 
-    def release(self, request_id: str, replica_id: str | None = None) -> None:
-        """Free the request's reservation: its attempt completed (on ``replica_id``, if known;
-        see :meth:`Reservations.release
-        <kvbridge.ray_integration.reservations.Reservations.release>`). Idempotent."""
-        worker = None if replica_id is None else self.registry.worker(replica_id)
-        self.held.release(request_id, None if worker is None else worker.worker_id)
+    def release(self, request_id: str) -> None:
+        """Free the request's reservation (its attempt completed). Idempotent."""
+        self.held.release(request_id)
 
     def cancelled(self, request_id: str) -> None:
         """The caller gave the request up before Serve placed it: free its reservation, which
