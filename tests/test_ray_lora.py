@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -90,18 +90,31 @@ def workers() -> Iterator[tuple[RelayedWorker, RelayedWorker]]:
     b.close()
 
 
+def register_both(state: RoutingState, a: RelayedWorker, b: RelayedWorker) -> dict[int, str]:
+    """Register both workers with ``state``'s Dynamo: ``{worker id: replica id}``."""
+    registering = state.sync(
+        {"replica-a": a.advert.routing_stats(), "replica-b": b.advert.routing_stats()},
+        complete=True,
+    )
+    assert registering is not None
+    registering.result(10)
+    ready = state.ready_workers(["replica-a", "replica-b"])
+    assert sorted(ready.values()) == ["replica-a", "replica-b"]
+    return ready
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 5
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_lora_name_reaches_dynamo(workers: tuple[RelayedWorker, RelayedWorker]) -> None:
     a, b = workers
     state = RoutingState("lora#test", block_size=BLOCK)
     try:
-        registering = state.sync(
-            {"replica-a": a.advert.routing_stats(), "replica-b": b.advert.routing_stats()},
-            complete=True,
-        )
-        assert registering is not None
-        registering.result(10)
-        ready = state.ready_workers(["replica-a", "replica-b"])
-        assert sorted(ready.values()) == ["replica-a", "replica-b"]
+        ready = register_both(state, a, b)
         a.store("sql")
         b.store(None)
 
@@ -115,10 +128,7 @@ def test_lora_name_reaches_dynamo(workers: tuple[RelayedWorker, RelayedWorker]) 
             without = asyncio.run(choose("probe-b", None))
             return with_lora == ("replica-a", 6) and without == ("replica-b", 6)
 
-        deadline = time.monotonic() + 5
-        while not indexed():
-            assert time.monotonic() < deadline, "Dynamo never indexed both workers"
-            time.sleep(0.05)
+        wait_for(indexed, "Dynamo never indexed both workers")
         assert asyncio.run(choose("r1", "sql")) == ("replica-a", 6)
         assert asyncio.run(choose("r2", None)) == ("replica-b", 6)
         assert asyncio.run(choose("r3", "other-adapter"))[1] == 0
@@ -164,13 +174,7 @@ def test_cache_salt_reaches_dynamo(
         return ready[choice.worker_id], choice.overlap.device
 
     try:
-        registering = state.sync(
-            {"replica-a": a.advert.routing_stats(), "replica-b": b.advert.routing_stats()},
-            complete=True,
-        )
-        assert registering is not None
-        registering.result(10)
-        ready = state.ready_workers(["replica-a", "replica-b"])
+        ready = register_both(state, a, b)
         a.store(None, cache_salt=engine_salt)
         b.store(None)
 
@@ -179,10 +183,7 @@ def test_cache_salt_reaches_dynamo(
             unsalted = asyncio.run(choose("probe-b", None))
             return (salted, unsalted) == (("replica-a", 6), ("replica-b", 6))
 
-        deadline = time.monotonic() + 5
-        while not indexed():
-            assert time.monotonic() < deadline, "Dynamo never indexed both workers"
-            time.sleep(0.05)
+        wait_for(indexed, "Dynamo never indexed both workers")
         assert asyncio.run(choose("r1", "dynamo-cache-salt:" + request_salt)) == ("replica-a", 6)
         assert asyncio.run(choose("r2", "")) == ("replica-b", 6)  # empty: no salt
         assert asyncio.run(choose("r3", "tenant-2"))[1] == 0
@@ -217,13 +218,7 @@ def test_a_moved_reservation_completed_at_once_is_freed_in_dynamo(
     a, b = workers
     state = RoutingState("completion#test", block_size=BLOCK)
     try:
-        registering = state.sync(
-            {"replica-a": a.advert.routing_stats(), "replica-b": b.advert.routing_stats()},
-            complete=True,
-        )
-        assert registering is not None
-        registering.result(10)
-        ready = state.ready_workers(["replica-a", "replica-b"])
+        ready = register_both(state, a, b)
         a.store(None)
 
         def picked_a() -> bool:
@@ -231,10 +226,7 @@ def test_a_moved_reservation_completed_at_once_is_freed_in_dynamo(
             state.release("probe")
             return ready[choice.worker_id] == "replica-a" and choice.overlap.device == 6
 
-        deadline = time.monotonic() + 5
-        while not picked_a():
-            assert time.monotonic() < deadline, "Dynamo never indexed A"
-            time.sleep(0.05)
+        wait_for(picked_a, "Dynamo never indexed A")
         while state.held.in_flight():  # the probes' frees, counted when applied
             time.sleep(0.05)
         releases = Counter(state.stats.registry.releases)
@@ -243,10 +235,10 @@ def test_a_moved_reservation_completed_at_once_is_freed_in_dynamo(
         state.release("r1")
         assert state.reservations == 0
         expected = Counter({Release.MOVED: 1, Release.FREED: 1})
-        deadline = time.monotonic() + 5  # frees are counted when Dynamo has applied them
-        while state.stats.registry.releases - releases != expected:
-            assert time.monotonic() < deadline, state.stats.registry
-            time.sleep(0.05)
+        # Frees are counted when Dynamo has applied them.
+        wait_for(
+            lambda: state.stats.registry.releases - releases == expected, str(state.stats.registry)
+        )
         assert state.client.active_reservations() == 0
     finally:
         state.close()

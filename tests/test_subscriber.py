@@ -690,6 +690,30 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
     assert " | lost 5 | " in footer[0]
 
 
+@contextmanager
+def _replaced_and_released(
+    subscriber: Subscriber,
+    source: Source,
+    first: Publisher,
+    engine: Callable[[], Publisher],
+    items: list[Message | StreamReset],
+) -> Iterator[tuple[Publisher, SubscriberStats]]:
+    """Close ``first`` and bind its successor from ``engine``: the subscriber's catch-up finds
+    no clear token and suspends the stream, then releases it when the token is back. Yields
+    the successor (open until the block ends) and the counts while suspended; what the
+    subscriber delivered meanwhile goes onto ``items``."""
+    stats = subscriber.stats
+    first.close()
+    listener_gone(int(source.endpoint.rsplit(":", 1)[1]))
+    items += poll_until(subscriber, lambda: stats.disconnects)
+    with bound_again(engine) as second:
+        assert second.wait_for_subscribers(timeout=TIMEOUT)
+        items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        suspended = deepcopy(stats)
+        items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+        yield second, suspended
+
+
 @pytest.mark.parametrize(
     ("serve", "unsent", "expected", "checked", "counts"),
     [
@@ -738,14 +762,8 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
         assert first.wait_for_subscribers(timeout=TIMEOUT)
         first.publish(VALID)  # the loss at the start spends the token
         items = receive(subscriber, sum(isinstance(item[0], int) for item in expected))
-        first.close()
-        listener_gone(base)
-        items += poll_until(subscriber, lambda: stats.disconnects)
-        with bound_again(engine) as second:
-            assert second.wait_for_subscribers(timeout=TIMEOUT)
-            items += poll_until(subscriber, lambda: subscriber.suspended(source))
-            suspended = deepcopy(stats)
-            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+        with _replaced_and_released(subscriber, source, first, engine, items) as (_, suspended):
+            pass
         final = deepcopy(stats)
 
     assert shape(items) == expected
@@ -784,13 +802,7 @@ def test_a_released_unanswered_check_counts_only_the_batches_after_the_last(
         assert first.wait_for_subscribers(timeout=TIMEOUT)
         first.publish(VALID)  # 1: the loss of 0 at the start spends the token
         items = receive(subscriber, 1)
-        first.close()
-        listener_gone(base)
-        items += poll_until(subscriber, lambda: stats.disconnects)
-        with bound_again(engine) as second:
-            assert second.wait_for_subscribers(timeout=TIMEOUT)
-            items += poll_until(subscriber, lambda: subscriber.suspended(source))
-            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+        with _replaced_and_released(subscriber, source, first, engine, items) as (second, _):
             for _ in range(4):
                 second.publish(b"", send=False)
             second.publish(VALID)  # 4
