@@ -48,6 +48,7 @@ from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.replay_protocol import answer_frames, parse_request
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
@@ -969,6 +970,84 @@ def test_an_unanswered_publisher_check_keeps_the_chains_of_a_process_that_goes_o
     ]
     assert losses == logged
     assert final == SubscriberStats(**UNANSWERED_AT_3, lost=lost)
+
+
+def _answer_cut_short(router: zmq.Socket[bytes], payloads: list[bytes], upto: int) -> None:
+    """Answer a replay request waiting on ``router`` (a test's own ROUTER, in place of an
+    engine's) with the batches of ``payloads`` from the seq asked for up to ``upto``, and no
+    end marker: an answer that stops part way, as a ROUTER's does for a peer it cannot send
+    to. Nothing if no request waits."""
+    if not router.poll(0):
+        return
+    request = parse_request(router.recv_multipart())
+    assert request is not None
+    identity, start = request
+    for seq in range(start, upto):
+        router.send_multipart(answer_frames(identity, b"", seq, payloads[seq], topic_frame=True))
+
+
+@pytest.mark.parametrize("path", ["start-up", "catch-up"])
+def test_a_replay_answer_cut_short_clears_the_stream_after_what_it_delivered(
+    ctx: zmq.Context[zmq.Socket[bytes]], path: str
+) -> None:
+    """A replay without a live batch to reach (the start-up replay from 0, or the catch-up
+    after a drop) whose answer stops part way: batch 2, which removed the block batch 0
+    stored, never comes. Once the replay times out, what came is delivered and the stream is
+    cleared after it (a ``"lost"`` reset of an unknown number of batches), so that the block
+    does not stay downstream until the engine's next batch shows the gap."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    a, b = ([k] * BS for k in (1, 2))
+    payloads = [
+        encoded([stored(block_hashes(a, BS), a)], ts=TS0),
+        encoded([stored(block_hashes(b, BS), b)], ts=TS0 + 1),
+        encoded([removed(block_hashes(a, BS))], ts=TS0 + 2),
+    ]
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{base + 1}")
+
+    def engine(first_seq: int = 0) -> Publisher:  # its replays are the test's ROUTER's
+        return Publisher(f"tcp://127.0.0.1:{base}", bind=True, context=ctx, first_seq=first_seq)
+
+    first = engine()
+    start_up = path == "start-up"
+    with Subscriber(
+        [source], context=ctx, replay_timeout=0.3, replay_on_start=start_up
+    ) as subscriber:
+        stats = subscriber.stats
+        items: list[Message | StreamReset] = []
+
+        def step() -> None:
+            items.extend(subscriber.poll(20))
+            _answer_cut_short(router, payloads, upto=2)
+
+        if start_up:
+            for payload in payloads:
+                first.publish(payload, send=False)
+        else:
+            assert first.wait_for_subscribers(timeout=TIMEOUT)
+            for payload in payloads[:2]:
+                first.publish(payload)
+            items += receive(subscriber, 2)
+            first.close()
+            listener_gone(base)
+            items += poll_until(subscriber, lambda: stats.disconnects)
+            first = bound_again(lambda: engine(first_seq=2))
+            first.publish(payloads[2], send=False)  # the same process goes on, unheard
+        wait_until(lambda: stats.replay_timeouts == 1, step, lambda: shape(items))
+        final = deepcopy(stats)
+        first.close()
+    router.close()
+
+    if start_up:
+        assert shape(items) == [(0, True), (1, True), ("lost", 0)]
+        assert final == SubscriberStats(replays=1, replay_timeouts=1, replayed=2)
+    else:  # the check's answer from 1: batch 1 again, the same bytes, so the same process
+        assert shape(items) == [(0, False), (1, False), ("lost", 0)]
+        assert final == SubscriberStats(
+            messages=2, disconnects=1, reconnect_checks=1, replays=1, replay_timeouts=1
+        )
 
 
 # --------------------------------------------------------------------------- 2. restart

@@ -77,8 +77,19 @@ class Fetch:
     """Asked for within the source's back-off too (the publisher check)."""
 
 
+class Replayed(list[Message]):
+    """The batches a replay answer delivered, and whether it was :attr:`whole`."""
+
+    def __init__(self, messages: list[Message], *, whole: bool) -> None:
+        super().__init__(messages)
+        self.whole = whole
+        """It came to its end marker with every batch it held: not timed out, not cut at its
+        bounds, no batch skipped, and asked for at all. Batches after the last of an answer
+        that is not whole may be missing."""
+
+
 _T = TypeVar("_T")
-Replaying: TypeAlias = Generator[Fetch, list[Message], _T]
+Replaying: TypeAlias = Generator[Fetch, Replayed, _T]
 """Sequencing that may wait for replays: a generator that yields each :class:`Fetch`, is sent
 its batches, and returns its result. Whoever drives it sends the requests and reads the
 answers alongside everything else (see :mod:`~kvbridge.adapters.replays_in_flight`)."""
@@ -98,6 +109,8 @@ class Answer:
     """Payload bytes read."""
     cut: bool = False
     """Its bounds were reached: the rest was not read."""
+    skipped: bool = False
+    """A frame of it was skipped (not a batch, or too big)."""
 
 
 def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:
@@ -151,7 +164,7 @@ class ReplayClient:
 
     def check_publisher(
         self, stream: StreamState, last: int
-    ) -> Replaying[tuple[bool | None, list[Message]]]:
+    ) -> Replaying[tuple[bool | None, Replayed]]:
         """After a reconnect: whether the publisher is the one that delivered batch ``last``,
         and the replay from ``last``. ``True`` if the replay's first batch is that batch (the
         same publisher, so the replay fills what the drop cost), ``False`` if it is another
@@ -161,7 +174,7 @@ class ReplayClient:
         check is asked for within a back-off too: it decides whether the worker is cleared."""
         self.stats.reconnect_checks += 1
         if not stream.source.replay_endpoint:
-            return True, []
+            return True, Replayed([], whole=True)
         answer = yield Fetch(stream, last, in_back_off=True)
         endpoint = stream.source.endpoint
         if not answer and stream.replay_failures:  # timed out, or could not be sent
@@ -180,7 +193,7 @@ class ReplayClient:
         stream: StreamState,
         start: int,
         live_seq: int | None,
-        replayed: list[Message] | None = None,
+        replayed: Replayed | None = None,
     ) -> Replaying[list[Message | StreamReset]]:
         """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
         replay socket, unless ``replayed`` is an answer already fetched from ``start`` or
@@ -192,9 +205,18 @@ class ReplayClient:
         nothing counted lost. A loss before the first batch after an unconfirmed clear
         (:attr:`~kvbridge.adapters.stream_state.StreamState.unconfirmed_last`) is only counted,
         at its lower bound: that clear covers it. A loss that finds no clear token suspends the
-        stream and ends the recovery there (the live message that led here counts the skip)."""
+        stream and ends the recovery there (the live message that led here counts the skip).
+
+        Without ``live_seq``, an answer that is not :attr:`~Replayed.whole` (it timed out, was
+        cut, or skipped a batch) may have missed batches after its last, whose removals would
+        leave blocks stale downstream until the source's next message showed the gap: the
+        stream is cleared after what it delivered, a loss of unknown size."""
         if replayed is None:
-            replayed = (yield Fetch(stream, start)) if stream.source.replay_endpoint else []
+            replayed = (
+                (yield Fetch(stream, start))
+                if stream.source.replay_endpoint
+                else Replayed([], whole=True)
+            )
         out: list[Message | StreamReset] = []
         expected = start
         for message in [*replayed, None]:
@@ -229,7 +251,21 @@ class ReplayClient:
             stream.replayed_through = max(stream.replayed_through, seq)
             self.stats.replayed += 1
             out.append(message)
+        if live_seq is None and not replayed.whole and stream.last is not None:
+            self._lose_the_tail(stream, out)
         return out
+
+    def _lose_the_tail(self, stream: StreamState, out: list[Message | StreamReset]) -> None:
+        """Clear ``stream`` after its last batch, whose successors an answer that is not whole
+        may have missed (or suspend it until a clear is allowed, to replay from there)."""
+        last = stream.last
+        assert last is not None
+        endpoint = stream.source.endpoint
+        self.warn("replay incomplete, stream cleared", (endpoint,), stream=endpoint, last=last)
+        if stream.may_clear():
+            out.append(stream.reset("lost"))
+        else:
+            stream.suspend(self.warn, "lost", resume_from=last + 1)
 
     def run_before(self, stream: StreamState, start: int, end: int) -> Replaying[list[Message]]:
         """Of the batches ``start .. end - 1``, those the replay still holds as one run that
@@ -280,6 +316,7 @@ class ReplayClient:
             parsed = parse_answer(frames, expected_topic)
             if parsed is None:
                 stream.skip_frame(self.stats, self.warn, BadFrame.REPLAY_FRAME_COUNT)
+                answer.skipped = True
                 continue
             topic, seq_frame, payload = parsed
             stream.replay_failures = 0  # it answers
@@ -287,10 +324,12 @@ class ReplayClient:
                 return True
             if len(seq_frame) != 8:
                 stream.skip_frame(self.stats, self.warn, BadFrame.BAD_SEQ)
+                answer.skipped = True
                 continue
             seq = int.from_bytes(seq_frame, "big")
             if len(payload) > self.max_frame_bytes:
                 stream.skip_frame(self.stats, self.warn, BadFrame.OVERSIZED, seq)
+                answer.skipped = True
                 continue
             answer.messages.append(
                 Message(source, seq, topic, payload, time.time_ns(), replayed=True)
@@ -308,7 +347,7 @@ class ReplayClient:
                 answer.cut = True
                 return True
 
-    def end(self, answer: Answer, *, timed_out: bool) -> list[Message]:
+    def end(self, answer: Answer, *, timed_out: bool) -> Replayed:
         """The batches of ``answer``, whole or past its deadline (a timeout: the source backs
         off). The caller no longer polls its DEALER: a cut or timed-out answer's DEALER is
         closed here, so that its tail or late replies are not read as the next answer's."""
@@ -320,7 +359,7 @@ class ReplayClient:
             self._back_off(stream)
         if timed_out or answer.cut:
             self.close_dealer(stream)
-        return answer.messages
+        return Replayed(answer.messages, whole=not (timed_out or answer.cut or answer.skipped))
 
     def _dealer(self, stream: StreamState) -> zmq.Socket[bytes]:
         """The source's replay DEALER, opened on its first replay."""

@@ -26,7 +26,7 @@ from typing import Final
 
 import zmq
 
-from kvbridge.adapters.replay_client import Answer, Fetch, ReplayClient, Replaying
+from kvbridge.adapters.replay_client import Answer, Fetch, ReplayClient, Replayed, Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
@@ -98,7 +98,7 @@ class ReplaysInFlight:
         self,
         stream: StreamState,
         work: Sequencing,
-        answer: list[Message] | None,
+        answer: Replayed | None,
         out: list[Message | StreamReset],
     ) -> None:
         try:
@@ -130,7 +130,7 @@ class ReplaysInFlight:
             answer = self.client.begin(fetch)
             if answer is None:  # not asked for: an empty answer, at once
                 del self._waiting[stream]
-                self._resume(stream, work, [], out)
+                self._resume(stream, work, Replayed([], whole=False), out)
                 continue
             self._answers[answer.dealer] = answer
             self.poller.register(answer.dealer, zmq.POLLIN)

@@ -52,7 +52,7 @@ import structlog
 
 from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_client import ReplayClient, Replaying, run_before
+from kvbridge.adapters.replay_client import ReplayClient, Replayed, Replaying, run_before
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
@@ -129,7 +129,7 @@ class Sequencer:
         reconnected, stream.reconnected = stream.reconnected, False
         stream.replayed_through = -1
         same: bool | None = True
-        answer: list[Message] | None = None  # the publisher check's, if one was asked
+        answer: Replayed | None = None  # the publisher check's, if one was asked
         if reconnected and resume and stream.last is not None:
             same, answer = yield from self.replay.check_publisher(stream, stream.last)
         if same is False:  # a new process: its batches from 0, its replay endpoint afresh
@@ -260,7 +260,7 @@ class Sequencer:
                 return (yield from self._start_over(stream, frames, seq, out))
             return (yield from self._resync(stream, frames, seq, out, stream.suspended_for))
         last = stream.last
-        checked: list[Message] | None = None
+        checked: Replayed | None = None
         replaced = False  # a new process, its sequence already past the old last
         unanswered = False  # taken as replaced: consistency comes first
         if stream.reconnected:
