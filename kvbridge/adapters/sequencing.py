@@ -210,7 +210,7 @@ class Sequencer:
                 self.stats.gaps += 1
                 endpoint = stream.source.endpoint
                 self.info(
-                    "gap detected", (endpoint,), stream=endpoint, expected=last + 1, seq=missed
+                    "batches missed while disconnected", (endpoint,), stream=endpoint, first=missed
                 )
             return (yield from self.replay.recover(stream, last + 1, None, answer))
         if same is False:
