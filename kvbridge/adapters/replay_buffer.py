@@ -94,12 +94,10 @@ class ReplayBuffer:
         ones from there on, preceded by the snapshot's payloads if the request is older than
         the buffer and there is a snapshot."""
         with self._lock:
-            batches = self._batches
-            older = start_seq < (batches[0][0] if batches else self._next_seq)
             provider = self.snapshot
-            if not older or provider is None:
+            if start_seq >= self._first_held() or provider is None:
                 # read under the lock that decided, so that no batch it counted on goes first
-                return [(seq, payload) for seq, payload in batches if seq >= start_seq]
+                return self._held_from(start_seq)
         for attempt in range(1, SNAPSHOT_ATTEMPTS + 1):
             snapshot = provider(start_seq)
             if snapshot is None:
@@ -114,15 +112,22 @@ class ReplayBuffer:
             if start_seq + len(payloads) > next_seq:
                 break
             with self._lock:
-                batches = self._batches
                 # Batches published since the snapshot may have pushed its point out of the
                 # buffer, and the answer would skip them: take the snapshot again. The last
                 # one goes out all the same, since without it the listener would have no
                 # state at all, only the buffer's tail.
-                skipped = next_seq < (batches[0][0] if batches else self._next_seq)
-                if skipped and attempt < SNAPSHOT_ATTEMPTS:
+                if next_seq < self._first_held() and attempt < SNAPSHOT_ATTEMPTS:
                     continue
                 answer = [(start_seq + i, payload) for i, payload in enumerate(payloads)]
-                return answer + [(seq, payload) for seq, payload in batches if seq >= next_seq]
+                return answer + self._held_from(next_seq)
         with self._lock:
-            return [(seq, payload) for seq, payload in self._batches if seq >= start_seq]
+            return self._held_from(start_seq)
+
+    def _first_held(self) -> int:
+        """The oldest seq the buffer can answer from (the next one's, if it holds none); the
+        caller holds the lock."""
+        return self._batches[0][0] if self._batches else self._next_seq
+
+    def _held_from(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """The buffered batches from ``start_seq`` on; the caller holds the lock."""
+        return [(seq, payload) for seq, payload in self._batches if seq >= start_seq]

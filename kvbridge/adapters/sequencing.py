@@ -152,6 +152,13 @@ class Sequencer:
                 stream.lose(self.stats, self.warn, resume, lost)
             self.stats.replayed += len(run)
             out.extend(run)
+        return self._deliver(stream, frames, seq, out)
+
+    def _deliver(
+        self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
+    ) -> list[Message | StreamReset]:
+        """Deliver live batch ``seq`` after whatever ``out`` holds, and return ``out``. (The
+        next batch in order takes :meth:`receive`'s own shorter path.)"""
         stream.live_last = seq
         stream.delivered(seq, frames[2])
         out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
@@ -308,7 +315,4 @@ class Sequencer:
                 self.stats.duplicates += 1
                 return out  # the replay already delivered this one
         stream.jumped_to = None
-        stream.live_last = seq
-        stream.delivered(seq, frames[2])
-        out.append(Message(stream.source, seq, frames[0], frames[2], time.time_ns()))
-        return out
+        return self._deliver(stream, frames, seq, out)
