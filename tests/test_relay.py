@@ -34,6 +34,7 @@ import msgspec
 import pytest
 import zmq
 from support.ipv6 import requires_ipv6
+from support.rebind import bound_again
 from support.relay_faults import fault, inject_step_fault, stopped
 from support.relay_process import RelayProcess, Samples, kvbridge_command, port_of, wait_tcp_peers
 from support.selection_harness import Overlap, SelectionHarness
@@ -1013,7 +1014,8 @@ def test_a_relay_that_cannot_bind_an_output_closes_what_it_opened() -> None:
     with pytest.raises(zmq.ZMQError, match="Address already in use"):
         Relay(sources, **relay_ports)
     squatter.close(linger=0)
-    with Relay(sources, **relay_ports) as relay:
+    # ZMQ releases a closed socket's port in its I/O thread, after close returns.
+    with bound_again(lambda: Relay(sources, **relay_ports)) as relay:
         assert [relay.endpoints(source) for source in sources] == [
             (f"tcp://127.0.0.1:{base + 2 + rank}", f"tcp://127.0.0.1:{base + 4 + rank}")
             for rank in (0, 1)
