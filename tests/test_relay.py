@@ -928,6 +928,40 @@ def test_a_snapshot_never_takes_the_seq_of_a_live_batch() -> None:
     assert heartbeats == 1
 
 
+def test_a_relay_asleep_in_a_long_poll_is_woken_for_a_snapshot_and_to_stop() -> None:
+    """The relay's thread sleeps in its subscriber's poll between batches. A snapshot request,
+    queued by the replay thread, and :meth:`Relay.close` wake it rather than wait for the poll
+    to time out: polling a minute at a time, the relay still answers a request older than its
+    buffer with the snapshot (the replay thread gives up waiting after ``SNAPSHOT_TIMEOUT_S``,
+    and the answer would be the buffer's last batch alone), and close ends its threads at
+    once."""
+    ctx = zmq.Context()
+    before = set(threading.enumerate())
+    engine, source, relay = _snapshot_relay(ctx, buffer_steps=1)
+    with engine, relay:
+        relay.start(timeout_ms=60_000)
+        threads = set(threading.enumerate()) - before
+        assert engine.wait_for_subscribers()
+        engine.publish(encoded([stored([10], [1] * 4)]))
+        engine.publish(encoded([stored([11], [2] * 4, parent=10)]))
+        _wait(lambda: relay.stats.batches_in == 2)
+        answer = _replay_answer(ctx, relay.outputs[source].replay_endpoint or "", 0)
+        assert [event["type"] for _, batch in answer for event in batch[1]] == [
+            "AllBlocksCleared",
+            "BlockStored",
+            "BlockStored",
+        ]
+        assert relay.output_stats.snapshots == 1
+        assert sorted(thread.name for thread in threads) == ["kv-replays", "kvbridge-relay"]
+        started = time.monotonic()
+        relay.close()
+        # Not woken, close would wait out the replay thread's poll (a second), then give the
+        # relay's thread 5 s and close its sockets under it.
+        assert time.monotonic() - started < 0.5
+        assert [thread.name for thread in threads if thread.is_alive()] == []
+    ctx.term()
+
+
 @pytest.mark.parametrize("held", [1, SNAPSHOT_ATTEMPTS], ids=["once", "every time"])
 def test_a_snapshot_whose_point_left_the_buffer_is_taken_again(held: int) -> None:
     """The replay thread reads the buffer after the relay's thread took the snapshot; batches

@@ -285,6 +285,7 @@ class Relay(ClosedOnExit):
         def provide(start_seq: int) -> tuple[int, list[bytes]] | None:
             future: Future[tuple[int, list[bytes]] | None] = Future()
             self._snapshots.put((source, start_seq, future))
+            self.subscriber.wakeup.wake()
             try:
                 return future.result(SNAPSHOT_TIMEOUT_S)
             except (FutureTimeout, CancelledError):
@@ -369,13 +370,13 @@ class Relay(ClosedOnExit):
         replays = self._replays
         return self._failure or (None if replays is None else replays.failure)
 
-    def start(self) -> None:
-        """Relay on a daemon thread until :meth:`close`. The relay's sockets then belong to
-        that thread: do not call :meth:`step` as well."""
+    def start(self, timeout_ms: int = 100) -> None:
+        """Relay on a daemon thread until :meth:`close`, polling ``timeout_ms`` at most at a
+        time (:meth:`close` wakes it). Do not call :meth:`step` as well: the sockets are its."""
         if self._thread is not None:
             raise RuntimeError("the relay is already running")
         self._thread = threading.Thread(
-            target=self.run, args=(self._stop,), name="kvbridge-relay", daemon=True
+            target=self.run, args=(self._stop, timeout_ms), name="kvbridge-relay", daemon=True
         )
         self._thread.start()
 
@@ -384,6 +385,7 @@ class Relay(ClosedOnExit):
         if self._stop.is_set():
             return
         self._stop.set()
+        self.subscriber.wakeup.wake()
         if self._thread is not None:
             self._thread.join(_STOP_TIMEOUT_S)
         while not self._snapshots.empty():  # no thread will take them now

@@ -36,11 +36,10 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
   [:data:`DEFAULT_SOURCE_BUDGET`] and ``poll_budget`` in all [:data:`DEFAULT_POLL_BUDGET`]; the
   next poll starts with the source after the last one served. A fast source cannot starve the
   others, and the consumer processes what it read before reading more.
-- **frame size refused by ZMQ**: ``MAXMSGSIZE`` on the SUB and DEALER sockets is
-  ``max_frame_bytes`` plus :data:`MAXMSGSIZE_MARGIN`. A frame a little over ``max_frame_bytes``
-  is received and counted ``oversized``; a larger one is refused by ZMQ as its size header
-  arrives, before any of it is buffered. ZMQ then drops the connection and does not reconnect
-  after that protocol error; the subscriber does (see "reconnects").
+- **frame size**: ``MAXMSGSIZE`` on the SUB and DEALER sockets is ``max_frame_bytes`` plus
+  :data:`MAXMSGSIZE_MARGIN`. A frame a little over ``max_frame_bytes`` is received and counted
+  ``oversized``; ZMQ refuses a larger one at its size header, before buffering any of it, and
+  drops the connection without reconnecting after that protocol error; the subscriber does.
 - **high-water marks**: ``RCVHWM`` [:data:`DEFAULT_RCVHWM` messages] on every SUB, and on a
   replay DEALER room for a whole answer (``replay_max_messages`` + 1). Under a flood, ZMQ sheds
   what does not fit (the engine's PUB drops it); the shed batches are gaps, replayed or lost.
@@ -81,6 +80,7 @@ from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import SubscriberStats
 from kvbridge.adapters.sub_socket import WATCHED, open_sub, read_events, recv_frames
+from kvbridge.adapters.wakeup import Wakeup
 
 __all__ = [
     "DEFAULT_CLEAR_BURST",
@@ -141,13 +141,13 @@ class Subscriber(ClosedOnExit):
     ) -> None:
         if min(poll_budget, source_budget, max_gap, clear_burst, replay_max_messages) < 1:
             raise ValueError("budgets, max_gap, clear_burst and replay bounds must be >= 1")
+        if max_replays < 1:
+            raise ValueError(f"max_replays must be >= 1, got {max_replays}")
         sources = list(sources)
         keys = [(source.endpoint, source.topic) for source in sources]
         for index, (endpoint, topic) in enumerate(keys):
             if (endpoint, topic) in keys[:index]:  # its batches would come twice
                 raise ValueError(f"source {endpoint} (topic {topic!r}) is given twice")
-        if max_replays < 1:
-            raise ValueError(f"max_replays must be >= 1, got {max_replays}")
         if not MIN_REPLAY_TIMEOUT_S <= replay_timeout <= threading.TIMEOUT_MAX:
             raise ValueError(
                 f"replay_timeout must be in [{MIN_REPLAY_TIMEOUT_S}, {threading.TIMEOUT_MAX}] "
@@ -164,6 +164,7 @@ class Subscriber(ClosedOnExit):
             )
         self.context = context or zmq.Context.instance()
         self.max_frame_bytes = max_frame_bytes
+        self._maxmsgsize = max_frame_bytes + MAXMSGSIZE_MARGIN
         self.rcvhwm = rcvhwm
         self.poll_budget = poll_budget
         self.source_budget = source_budget
@@ -192,6 +193,7 @@ class Subscriber(ClosedOnExit):
             max_gap=max_gap,
         )
         self._poller = zmq.Poller()
+        self.wakeup = Wakeup(self._poller)  # ends a waiting poll, from any thread
         self._replays = ReplaysInFlight(self.replay_client, self._poller, max_replays)
         """The streams that wait for a replay, and the answers being read."""
         self._streams: dict[zmq.Socket[bytes], StreamState] = {}
@@ -240,10 +242,6 @@ class Subscriber(ClosedOnExit):
         """Whether ``source``'s stream is suspended: it needed a clear when none was allowed,
         and what it sends is skipped until one is (see :mod:`~kvbridge.adapters.stream_state`)."""
         return self._by_source[source].suspended
-
-    @property
-    def _maxmsgsize(self) -> int:
-        return self.max_frame_bytes + MAXMSGSIZE_MARGIN
 
     def _open(self, source: Source) -> zmq.Socket[bytes]:
         return open_sub(self.context, source.topic, rcvhwm=self.rcvhwm, maxmsgsize=self._maxmsgsize)
@@ -307,6 +305,7 @@ class Subscriber(ClosedOnExit):
             replays.run(stream, self.replay_client.recover(stream, 0, None), out)
         self._starting = []
         events = self._poller.poll(replays.wait_ms(timeout_ms))
+        self.wakeup.woken(events)
         for socket, _ in events:
             monitored = self._monitors.get(socket)
             if monitored is not None:
@@ -398,3 +397,4 @@ class Subscriber(ClosedOnExit):
             self.replay_client.close_dealer(stream)
         self._by_source.clear()
         self._order.clear()
+        self.wakeup.close()
