@@ -70,6 +70,7 @@ def deploy(
     tokenizer: str | None = None,
     max_ongoing_requests: int = 8,
     hold_s: float = 0.0,
+    silent_ranks: tuple[int, ...] = (),
 ) -> Any:
     """Run the app: ``router=None`` keeps Serve's default (power of two choices). Serve keeps
     one router per deployment per process, so each router needs an app name of its own."""
@@ -99,6 +100,7 @@ def deploy(
         cpu_blocks=CPU_BLOCKS,
         token_shift=token_shift,
         hold_s=hold_s,
+        silent_ranks=silent_ranks,
     )
     return serve.run(bound, name=app, route_prefix=None)
 
@@ -269,6 +271,41 @@ def test_a_request_given_up_before_it_is_placed_frees_its_reservation(
     both = Counter({Release.CANCELLED: 1, Release.FREED: 1})
     wait_until(lambda: state.stats.registry.releases - releases == both, what="both counted")
     serve.delete("given-up")
+
+
+def test_a_replica_dynamo_has_not_registered_is_the_last_resort(ray_cluster: None) -> None:
+    """Two replicas taking one request at a time, of which Dynamo has registered one (the
+    other advertises nothing). While the registered one is busy, the next request goes to the
+    other, ranked after every registered replica, rather than waiting for the busy one. Its
+    reservation, on Dynamo's pick, is freed when Serve places it there, counted
+    ``unregistered``: Dynamo cannot book its load on a replica it does not know."""
+    app = "unregistered"
+    handle = deploy(
+        DynamoKVRouter,
+        app=app,
+        num_replicas=2,
+        max_ongoing_requests=1,
+        hold_s=3.0,
+        silent_ranks=(1,),
+    )
+    replicas = sorted(replica_ids(handle, 2))
+    state = routing_state(app)
+    wait_until(
+        lambda: handle.remote().result() is not None and len(state.ready_workers(replicas)) == 1,
+        what="one replica registered",
+    )
+    (registered,) = state.ready_workers(replicas).values()
+    (unregistered,) = set(replicas) - {registered}
+    releases = Counter(state.stats.registry.releases)
+    busy = handle.remote(prompt_token_ids=list(range(1, 65)), max_tokens=1)
+    wait_until(lambda: state.reservations == 1, what="the busy request's reservation")
+    other = handle.remote(prompt_token_ids=list(range(100, 164)), max_tokens=1)
+    assert other.result()["replica"] == unregistered
+    assert busy.result()["replica"] == registered
+    both = Counter({Release.UNREGISTERED: 1, Release.FREED: 1})
+    wait_until(lambda: state.stats.registry.releases - releases == both, what="both counted")
+    assert state.client.active_reservations() == 0
+    serve.delete(app)
 
 
 def test_cpu_tier_prefix_routes_back_to_its_replica(affinity_run: AffinityRun) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -94,6 +95,29 @@ def test_first_answer_is_the_pick_and_a_repeat_ranks_the_others(state: RoutingSt
     while state.client.active_reservations():
         assert time.monotonic() < deadline, "the reservation was never freed"
         time.sleep(0.01)
+
+
+def test_a_request_placed_on_an_unregistered_replica_frees_its_reservation(
+    state: RoutingState,
+) -> None:
+    """Serve placed the request on a replica Dynamo has not registered (its last resort when
+    every registered one is full): the booking on Dynamo's pick is freed, counted
+    ``unregistered``, since Dynamo cannot move it to a worker it does not know. The completion
+    that follows frees nothing more."""
+    workers = state.ready_workers(REPLICAS)
+    while state.held.in_flight():  # the fixture's probes' frees, counted when applied
+        time.sleep(0.01)
+    releases = Counter(state.stats.registry.releases)
+    asyncio.run(state.choose("request", PROMPT, workers))
+    assert state.client.active_reservations() == 1
+    state.routed("request", "not-registered")
+    assert state.reservations == 0
+    state.release("request")
+    deadline = time.monotonic() + 5
+    while state.client.active_reservations() or state.held.in_flight():
+        assert time.monotonic() < deadline, "the reservation was never freed"
+        time.sleep(0.01)
+    assert state.stats.registry.releases - releases == Counter({Release.UNREGISTERED: 1})
 
 
 def test_no_answer_is_counted_and_logged_with_why(state: RoutingState) -> None:

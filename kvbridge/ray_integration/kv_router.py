@@ -19,7 +19,7 @@ import asyncio
 import time
 import weakref
 from array import array
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import ray
 from ray.serve._private.replica_result import ActorReplicaResult, ReplicaResult
@@ -48,6 +48,18 @@ __all__ = ["DynamoKVRouter", "deployment_key"]
 def deployment_key(app_name: str, deployment_name: str) -> str:
     """How a deployment's routing state is named: ``"app#deployment"``."""
     return f"{app_name}#{deployment_name}"
+
+
+class _Candidates(NamedTuple):
+    """Serve's candidate replicas as a decision needs them, kept while ``replicas`` (Serve's
+    list object) and the registry's ``version`` stay the same."""
+
+    replicas: list[RunningReplica]
+    version: int
+    by_id: dict[str, RunningReplica]
+    workers: dict[int, str]
+    """``{worker id: replica id}`` of the replicas Dynamo has registered."""
+    unregistered: list[RunningReplica]
 
 
 class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -111,9 +123,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for its caller's cancellation (:meth:`_watch_cancellation`)."""
         self._results: dict[str, ray.ObjectRef[Any]] = {}
         """Results of requests Serve placed, by request id, until they complete."""
-        self._candidates_cache: (
-            tuple[list[RunningReplica], int, dict[str, RunningReplica], dict[int, str]] | None
-        ) = None
+        self._candidates_cache: _Candidates | None = None
         self._routing = routing_state(
             deployment_key(self._deployment_id.app_name, self._deployment_id.name),
             block_size=block_size,
@@ -150,7 +160,8 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         started = time.perf_counter()
         self._release_finished()
         request_id = pending_request.metadata.internal_request_id
-        by_id, workers = self._candidates(candidate_replicas)
+        candidates = self._candidates(candidate_replicas)
+        by_id, workers = candidates.by_id, candidates.workers
         try:
             tokens = self._prompt_tokens(pending_request)
             if tokens is None:
@@ -182,6 +193,10 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Every rank below holds all candidates: when all are full, back off before retrying.
         pending_request.routing_context.should_backoff = True
         ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
+        if candidates.unregistered and workers.keys() <= set().union(*choice.ranking):
+            # Every registered replica is ranked: the unregistered ones are the last resort,
+            # rather than a request waiting while they are idle.
+            ranked.append(candidates.unregistered)
         return [group for group in ranked if group]
 
     def _watch_cancellation(self, pending_request: PendingRequest) -> None:
@@ -216,10 +231,8 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._routing.stats.registry.tokenize_failed += 1
             raise NoChoice("no_tokens", f"tokenizer failed: {error!r}") from None
 
-    def _candidates(
-        self, replicas: list[RunningReplica]
-    ) -> tuple[dict[str, RunningReplica], dict[int, str]]:
-        """``({replica id: replica}, {worker id: replica id} of those Dynamo has registered)``.
+    def _candidates(self, replicas: list[RunningReplica]) -> _Candidates:
+        """The replicas by id, those Dynamo has registered by worker id, and the others.
 
         Serve passes the same list object (its replica list) until ``update_replicas``, and
         only there do routing stats change, so the registry is synced there, not per decision;
@@ -228,12 +241,14 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """
         version = self._routing.registry_version
         cached = self._candidates_cache
-        if cached is not None and cached[0] is replicas and cached[1] == version:
-            return cached[2], cached[3]
+        if cached is not None and cached.replicas is replicas and cached.version == version:
+            return cached
         by_id = {replica.replica_id.unique_id: replica for replica in replicas}
         workers = self._routing.ready_workers(list(by_id))
-        self._candidates_cache = (replicas, version, by_id, workers)
-        return by_id, workers
+        registered = set(workers.values())
+        unregistered = [replica for rid, replica in by_id.items() if rid not in registered]
+        self._candidates_cache = _Candidates(replicas, version, by_id, workers, unregistered)
+        return self._candidates_cache
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult

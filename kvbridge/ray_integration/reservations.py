@@ -139,13 +139,14 @@ class Reservations:
         if self._token_check is not None and held.prompt["block_hashes"]:
             self._check_later(held)
 
-    def cancel(self, request_id: str) -> None:
-        """Free the reservation of a request its caller gave up before Serve placed it: it
-        never ran, so its tokens are not checked. Idempotent."""
+    def cancel(self, request_id: str, reason: Release = Release.CANCELLED) -> None:
+        """Free the reservation of a request that will not run where it was booked: its caller
+        gave it up before Serve placed it, or Serve placed it where Dynamo books nothing. Its
+        tokens are not checked. Idempotent."""
         with self._lock:
             held = self._held.pop(request_id, None)
         if held is not None:
-            self._free_held(held, Release.CANCELLED)
+            self._free_held(held, reason)
 
     def _check_later(self, held: Reservation) -> None:
         check, delay = self._token_check, self._token_check_delay_s

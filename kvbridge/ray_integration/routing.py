@@ -34,7 +34,7 @@ import structlog
 
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.selection_client import SelectionClient, SelectionServiceError
-from kvbridge.ray_integration.decisions import Choice, Decision, NoChoice, RouterStats
+from kvbridge.ray_integration.decisions import Choice, Decision, NoChoice, Release, RouterStats
 from kvbridge.ray_integration.registry import WorkerRegistry, worker_id_for
 from kvbridge.ray_integration.reservations import Reservation, Reservations
 from kvbridge.ray_integration.router_metrics import RouterMetrics
@@ -323,9 +323,12 @@ class RoutingState:
     # ------------------------------------------------------------------ reservations
 
     def routed(self, request_id: str, replica_id: str) -> None:
-        """Serve placed the request on ``replica_id``: the reservation follows it there."""
+        """Serve placed the request on ``replica_id``: the reservation follows it there, or is
+        freed if Dynamo has not registered that replica."""
         worker = self.registry.worker(replica_id)
-        if worker is not None:
+        if worker is None:
+            self.held.cancel(request_id, Release.UNREGISTERED)
+        else:
             self.held.move(request_id, worker.worker_id, worker.advert.dp_ranks[0])
 
     def release(self, request_id: str) -> None:

@@ -140,7 +140,9 @@ class SimulatedReplica(KVEventsReplica):
     ``token_shift`` makes it a test double of an engine whose tokenizer disagrees with the
     router's: every prompt token id is shifted by it before the engine runs the request.
     ``hold_s`` makes every request take at least that long, as a real engine's decoding does, so
-    that requests sent together are in flight together.
+    that requests sent together are in flight together. A replica whose Serve rank is in
+    ``silent_ranks`` advertises nothing: a test double of one the router has not registered
+    (its advert not in yet, or refused).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class SimulatedReplica(KVEventsReplica):
         dp_size: int = 1,
         token_shift: int = 0,
         hold_s: float = 0.0,
+        silent_ranks: tuple[int, ...] = (),
     ) -> None:
         super().__init__(block_size=block_size, dp_size=dp_size, host="127.0.0.1")
         ports = self.kv_ports
@@ -170,7 +173,9 @@ class SimulatedReplica(KVEventsReplica):
         ]
         self.token_shift = token_shift
         self.hold_s = hold_s
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.silent = context.rank.rank in silent_ranks
         self.actor_name = ray.get_runtime_context().get_actor_name()
         # The engines are not thread-safe, and Serve may run calls in threads.
         self._lock = threading.Lock()
@@ -202,6 +207,9 @@ class SimulatedReplica(KVEventsReplica):
             "gpu_hit": completion.num_cached_tokens,
             "cpu_hit": completion.num_external_tokens,
         }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {} if self.silent else super().record_routing_stats()
 
     def inject_relay_fault(self) -> None:
         """A test double of a bug in the relay: its next step raises, which ends its thread."""
