@@ -120,6 +120,41 @@ def test_a_request_placed_on_an_unregistered_replica_frees_its_reservation(
     assert state.stats.registry.releases - releases == Counter({Release.UNREGISTERED: 1})
 
 
+def test_a_retry_whose_pick_left_the_candidates_is_picked_anew(state: RoutingState) -> None:
+    """Serve asks again for a request whose pick is no longer a candidate: Dynamo picks anew
+    among the candidates, and the old booking is freed, counted ``reselected``, while its
+    worker is registered. A deregistered worker's bookings went with it in Dynamo: none is
+    freed then (the free would fail, counted ``free_failed``)."""
+    workers = state.ready_workers(REPLICAS)
+    a = worker_id_for(REPLICAS[0])
+
+    def settled() -> None:
+        deadline = time.monotonic() + 5
+        while state.held.in_flight():  # frees are counted when Dynamo has applied them
+            assert time.monotonic() < deadline, "a free never settled"
+            time.sleep(0.01)
+
+    settled()
+    releases = Counter(state.stats.registry.releases)
+    assert asyncio.run(state.choose("request", PROMPT, workers)).worker_id == a
+    others = {worker: replica for worker, replica in workers.items() if worker != a}
+    second = asyncio.run(state.choose("request", PROMPT, others))
+    assert second.worker_id in others
+    settled()
+    assert state.stats.registry.releases - releases == Counter({Release.RESELECTED: 1})
+    assert (state.reservations, state.client.active_reservations()) == (1, 1)
+
+    forgetting = state.forget(others.pop(second.worker_id))
+    assert forgetting is not None
+    forgetting.result(10)
+    third = asyncio.run(state.choose("request", PROMPT, others))
+    assert list(others) == [third.worker_id]
+    settled()
+    assert state.stats.registry.releases - releases == Counter({Release.RESELECTED: 1})
+    assert state.stats.registry.free_failed == 0
+    assert (state.reservations, state.client.active_reservations()) == (1, 1)
+
+
 def test_no_answer_is_counted_and_logged_with_why(state: RoutingState) -> None:
     workers = state.ready_workers(REPLICAS)
 

@@ -82,6 +82,9 @@ class Release(StrEnum):
     CANCELLED = "cancelled"
     """The caller gave the request up before Serve placed it (Serve then reports neither a
     placement nor a completion)."""
+    RESELECTED = "reselected"
+    """Serve asked again for the request when its pick, still registered, was no longer a
+    candidate, and Dynamo picked anew."""
     UNREGISTERED = "unregistered"
     """Serve placed the request on a replica Dynamo has not registered (the last resort when
     every registered one was full): Dynamo cannot book its load there."""

@@ -134,6 +134,11 @@ class WorkerRegistry:
             return None
         return self.client.run(self._apply_registry([], [worker]))
 
+    def has_worker(self, worker_id: int) -> bool:
+        """Whether a replica registered (or on its way) is Dynamo's worker ``worker_id``."""
+        with self._lock:
+            return any(worker.worker_id == worker_id for worker in self._workers.values())
+
     @property
     def registry_version(self) -> int:
         """Changes whenever :meth:`ready_workers` may answer differently for the same replicas,

@@ -96,6 +96,15 @@ class Reservations:
         with self._lock:
             self._held[request_id] = Reservation(choice, time.monotonic(), prompt)
 
+    def reselect(self, request_id: str, *, booked: bool) -> None:
+        """Forget the reservation of a request whose pick is no longer a candidate, before
+        Dynamo picks anew; its booking is freed if ``booked`` (its worker is still registered:
+        a deregistered worker's bookings went with it, and a free would fail). Idempotent."""
+        with self._lock:
+            held = self._held.pop(request_id, None)
+        if held is not None and booked:
+            self._free_held(held, Release.RESELECTED)
+
     def rerank(self, request_id: str, held: Reservation, choice: Choice) -> None:
         """Keep ``choice`` (``held``'s, ranked) unless the request's reservation changed since."""
         with self._lock:

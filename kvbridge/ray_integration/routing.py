@@ -193,6 +193,8 @@ class RoutingState:
         if held is not None and held.choice.worker_id in workers:
             self.stats.outcomes["repeat"] += 1
             return await self._ranked(request_id, held, workers)
+        if held is not None:  # its pick left the candidates: Dynamo picks anew
+            self.held.reselect(request_id, booked=self.registry.has_worker(held.choice.worker_id))
         if not workers:
             raise NoChoice("no_workers")
         selection_id = self.held.selection_id(request_id)
