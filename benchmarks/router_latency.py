@@ -104,7 +104,8 @@ from kvbridge.cli.arguments import non_negative_int, positive_int
 from kvbridge.ray_integration import DynamoKVRouter
 from kvbridge.ray_integration.advert import RAY_LLM_STATS_KEY
 from kvbridge.ray_integration.decisions import Release
-from kvbridge.ray_integration.routing import close_routing_states, worker_id_for
+from kvbridge.ray_integration.routing import worker_id_for
+from kvbridge.ray_integration.routing_states import close_routing_states
 from kvbridge.testing import SimulatedEngine
 
 if TYPE_CHECKING:

@@ -8,6 +8,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+import structlog
 
 pytest.importorskip("ray.serve")
 
@@ -17,6 +18,7 @@ from kvbridge.ray_integration import (
     KVEventPorts,
     KVEventsAdvert,
     engine_env,
+    find_routing_state,
     read_advert,
     vllm_engine_kwargs,
     worker_id_for,
@@ -26,6 +28,7 @@ from kvbridge.ray_integration.prompt import (
     prompt_lora_name,
     prompt_tokens,
 )
+from kvbridge.ray_integration.routing_states import close_routing_states, routing_state
 
 PORTS = KVEventPorts(engine=30000, engine_replay=30002, relay=30004, relay_replay=30006, dp_size=2)
 
@@ -237,3 +240,30 @@ def test_port_ranges_are_free_and_consecutive() -> None:
             probe.bind(("0.0.0.0", port))
     with pytest.raises(ValueError, match="count must be positive, got 0"):
         free_port_range(0)
+
+
+def test_a_deployments_routers_share_its_first_routing_state() -> None:
+    """Every router of a deployment in a process shares one state, a redeployment's too (the
+    old version's routers may still be deciding): options other than the state's are not
+    taken, and each other set is logged once, with what was kept."""
+    deployment = "helpers#shared"
+    try:
+        with structlog.testing.capture_logs() as logs:
+            first = routing_state(deployment, block_size=16, model_name="m")
+            assert routing_state(deployment, block_size=16, model_name="m") is first
+            assert routing_state(deployment, block_size=32, model_name="m") is first
+            assert routing_state(deployment, block_size=32, model_name="m") is first
+            assert routing_state(deployment, model_name="other") is first
+        assert find_routing_state(deployment) is first
+        assert (first.block_size, first.model_name) == (16, "m")
+        warnings = [
+            (line["kept"], line["ignored"]) for line in logs if line["log_level"] == "warning"
+        ]
+        kept = {"block_size": 16, "model_name": "m"}
+        assert warnings == [
+            (kept, {"block_size": 32, "model_name": "m"}),
+            (kept, {"model_name": "other"}),
+        ]
+    finally:
+        close_routing_states()
+    assert find_routing_state(deployment) is None

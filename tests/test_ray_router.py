@@ -38,7 +38,7 @@ from kvbridge.ray_integration import (  # noqa: E402
     worker_id_for,
 )
 from kvbridge.ray_integration.decisions import Release  # noqa: E402
-from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
+from kvbridge.ray_integration.routing_states import close_routing_states  # noqa: E402
 from kvbridge.schemas import Overlap  # noqa: E402
 
 BLOCK_SIZE = 16

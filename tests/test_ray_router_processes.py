@@ -41,7 +41,7 @@ from support.ray_apps import (  # noqa: E402
 )
 
 from kvbridge.ray_integration import DynamoKVRouter  # noqa: E402
-from kvbridge.ray_integration.routing import close_routing_states  # noqa: E402
+from kvbridge.ray_integration.routing_states import close_routing_states  # noqa: E402
 
 BLOCK_SIZE = 16
 GPU_BLOCKS = 128

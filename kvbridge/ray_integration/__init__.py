@@ -29,12 +29,8 @@ from kvbridge.ray_integration.engine_config import (
 )
 from kvbridge.ray_integration.kv_router import DynamoKVRouter, deployment_key
 from kvbridge.ray_integration.replica import KVEventsReplica
-from kvbridge.ray_integration.routing import (
-    RouterStats,
-    RoutingState,
-    find_routing_state,
-    worker_id_for,
-)
+from kvbridge.ray_integration.routing import RouterStats, RoutingState, worker_id_for
+from kvbridge.ray_integration.routing_states import find_routing_state
 
 if TYPE_CHECKING:
     from kvbridge.ray_integration.kv_router import DynamoKVRouter as DynamoLLMRouter  # noqa: F401

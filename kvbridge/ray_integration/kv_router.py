@@ -40,7 +40,8 @@ from kvbridge.ray_integration.prompt import (
     prompt_lora_name,
     prompt_tokens,
 )
-from kvbridge.ray_integration.routing import NoChoice, RoutingState, routing_state
+from kvbridge.ray_integration.routing import NoChoice, RoutingState
+from kvbridge.ray_integration.routing_states import routing_state
 
 __all__ = ["DynamoKVRouter", "deployment_key"]
 

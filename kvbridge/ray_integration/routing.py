@@ -2,11 +2,11 @@
 the decisions (the registry and the reservations have modules of their own, and so do the forms
 of the service's requests and answers, :mod:`~kvbridge.ray_integration.selection_forms`).
 
-This lives in a module of its own because Ray pickles a request router's module *by value*: a
-service kept in the router's module would be copied into each process that unpickles the router,
-and the copies would not share registrations or reservations. Functions and classes of this
-module pickle by reference, so every router instance in a process finds the same
-:class:`RoutingState` for its deployment through :func:`routing_state`.
+This lives outside the router's module because Ray pickles a request router's module *by
+value*: a service kept in the router's module would be copied into each process that unpickles
+the router, and the copies would not share registrations or reservations. Every router instance
+in a process finds the same :class:`RoutingState` for its deployment through
+:func:`~kvbridge.ray_integration.routing_states.routing_state`.
 
 A decision's service calls (``select_and_reserve``, and ``overlap_scores`` for a retry's
 ranking) are made on the router's own loop, as a direct ``await`` of the service's future under
@@ -50,9 +50,6 @@ __all__ = [
     "NoChoice",
     "RouterStats",
     "RoutingState",
-    "close_routing_states",
-    "find_routing_state",
-    "routing_state",
     "worker_id_for",
 ]
 
@@ -361,32 +358,3 @@ class RoutingState:
     def close(self) -> None:
         self.held.cancel_checks()  # on the service's loop, before it stops
         self.client.close()
-
-
-_STATES: dict[str, RoutingState] = {}
-_STATES_LOCK = threading.Lock()
-
-
-def routing_state(deployment: str, **options: Any) -> RoutingState:
-    """The process's :class:`RoutingState` for ``deployment``, created on first use with
-    ``options`` (later callers share it, whatever options they pass)."""
-    with _STATES_LOCK:
-        state = _STATES.get(deployment)
-        if state is None:
-            state = _STATES[deployment] = RoutingState(deployment, **options)
-        return state
-
-
-def find_routing_state(deployment: str) -> RoutingState | None:
-    """The process's state for ``deployment`` (``"app#deployment"``), if a router made one."""
-    with _STATES_LOCK:
-        return _STATES.get(deployment)
-
-
-def close_routing_states() -> None:
-    """Shut down every state's service (e.g. between test runs in one process)."""
-    with _STATES_LOCK:
-        states = list(_STATES.values())
-        _STATES.clear()
-    for state in states:
-        state.close()

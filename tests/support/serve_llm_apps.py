@@ -358,11 +358,11 @@ def _relay_stats(hop: Any) -> dict[str, dict[str, Any]]:
 
 def _router_stats(actor: Any) -> dict[str, Any]:
     """Inside the ingress replica's process: every routing state's stats and decisions."""
-    from kvbridge.ray_integration import relay_hop, routing
+    from kvbridge.ray_integration import relay_hop, routing_states
 
     out: dict[str, Any] = {}
-    with routing._STATES_LOCK:
-        states = dict(routing._STATES)
+    with routing_states._STATES_LOCK:
+        states = dict(routing_states._STATES)
     for name, state in states.items():
         stats = state.stats
         out[name] = {
