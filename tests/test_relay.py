@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import structlog
 import zmq
 from support.ipv6 import requires_ipv6
 from support.rebind import bound_again
@@ -40,18 +41,14 @@ from support.relay_process import RelayProcess, Samples, kvbridge_command, port_
 from support.selection_harness import Overlap, SelectionHarness
 
 from kvbridge import Normalizer
+from kvbridge.adapters import relay as relay_module
 from kvbridge.adapters.endpoints import is_ipv6, tcp_address
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.relay import (
-    DEFAULT_MERGE_BYTES,
-    DEFAULT_OUTPUT_HWM,
-    OUTPUT_QUEUE_BYTES,
-    Relay,
-    output_hwm_for,
-)
+from kvbridge.adapters.relay import DEFAULT_MERGE_BYTES, Relay
 from kvbridge.adapters.replay_buffer import SNAPSHOT_ATTEMPTS
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
+from kvbridge.adapters.socket_limits import DEFAULT_OUTPUT_HWM, OUTPUT_QUEUE_BYTES, output_hwm_for
 from kvbridge.adapters.source import Source
 from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payloads
 from kvbridge.schemas.vllm import Event
@@ -960,6 +957,48 @@ def test_a_relay_asleep_in_a_long_poll_is_woken_for_a_snapshot_and_to_stop() -> 
         assert time.monotonic() - started < 0.5
         assert [thread.name for thread in threads if thread.is_alive()] == []
     ctx.term()
+
+
+def test_a_relay_thread_still_busy_when_close_gives_up_keeps_its_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close`` waits a while for the relay's thread to stop. A thread still busy then (here a
+    test double of a step that takes longer, which blocks) keeps the sockets, rather than have
+    them closed under it (ZMQ sockets are not thread-safe, and libzmq may abort the process),
+    and closes them itself when it ends; close logs that."""
+    monkeypatch.setattr(relay_module, "_STOP_TIMEOUT_S", 0.2)
+    ctx = zmq.Context()
+    engine, source, relay = _snapshot_relay(ctx, buffer_steps=1)
+    busy, release = threading.Event(), threading.Event()
+
+    def blocking_step(timeout_ms: int = 100) -> int:
+        busy.set()
+        release.wait(10)
+        return 0
+
+    relay.step = blocking_step  # type: ignore[method-assign]
+    output = relay.outputs[source]
+    with engine:
+        relay.start()
+        assert busy.wait(10)
+        with structlog.testing.capture_logs() as logs:
+            relay.close()
+        assert [line["event"] for line in logs if line["log_level"] == "warning"] == [
+            "relay thread still busy; it closes its sockets when it ends"
+        ]
+        output.publish(encoded([]))  # still open
+        release.set()
+        _wait(lambda: _closed(output), timeout=10)
+    ctx.term()
+
+
+def _closed(publisher: Publisher) -> bool:
+    try:
+        publisher.publish(encoded([]), send=False)
+    except RuntimeError as error:
+        assert str(error) == "publisher is closed"
+        return True
+    return False
 
 
 @pytest.mark.parametrize("held", [1, SNAPSHOT_ATTEMPTS], ids=["once", "every time"])

@@ -47,24 +47,27 @@ shares the wake-ups, a merged batch saves messages. A batch alone goes out at on
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Final
 
 import msgspec
+import structlog
 import zmq
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import offset_endpoint
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline, WorkerState
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
-from kvbridge.adapters.replay_buffer import SnapshotProvider
 from kvbridge.adapters.replay_server import ReplayServer
-from kvbridge.adapters.socket_limits import SOCKET_HEADROOM, SOCKETS_PER_SOURCE, raise_limits
+from kvbridge.adapters.snapshot_requests import Snapshot, SnapshotRequests
+from kvbridge.adapters.socket_limits import (
+    SOCKET_HEADROOM,
+    SOCKETS_PER_SOURCE,
+    output_hwm_for,
+    raise_limits,
+)
 from kvbridge.adapters.source import Source
 from kvbridge.adapters.stream_stats import OutputStats, PipelineStats
 from kvbridge.adapters.subscriber import (
@@ -79,14 +82,13 @@ from kvbridge.normalizers.batch import NormalizedBatch, merged_canonical_payload
 if TYPE_CHECKING:
     from kvbridge.adapters.tiered_index import TieredIndex
 
-__all__ = ["Relay", "output_hwm_for"]
+__all__ = ["Relay"]
+
+log = structlog.get_logger("kvbridge.relay")
 
 _STOP_TIMEOUT_S: Final = 5.0
 DEFAULT_HEARTBEAT_S: Final = 0.5
 """An output idle this long publishes an empty batch with the next sequence number."""
-SNAPSHOT_TIMEOUT_S: Final = 2.0
-"""How long a replay request older than the buffer waits for the relay's thread to take the
-snapshot; without an answer (the relay is not stepping) the buffer is replayed as usual."""
 PUBLISH_BURST: Final = 256
 """Normalized batches held back at most before they are sent, when batches queue up. At 25 us
 a batch, the first of a burst goes out at most 6.4 ms later than alone, and a backlog sooner:
@@ -98,30 +100,6 @@ DEFAULT_BUFFER_BYTES: Final = 64 * 1024 * 1024
 """Payload bytes each output's replay buffer holds at most, besides its ``buffer_steps``
 batches: a backlog's merged batches, or an engine's long prefills, cannot make it grow past
 this. A request older than the buffer gets a snapshot, as one older than its batches does."""
-
-
-DEFAULT_OUTPUT_HWM: Final = 10_000
-"""``SNDHWM`` of each output's PUB socket when nothing is merged: a consumer that never reads
-costs the relay at most this many canonical payloads, each of one batch; past it ZMQ drops, and
-the consumer sees a gap it can replay."""
-OUTPUT_QUEUE_BYTES: Final = 16 * 1024 * 1024
-"""What a consumer that never reads costs the relay per output in merged payloads. ZMQ bounds
-a queue in messages, and a merged one holds up to about ``merge_bytes``, so the output's
-``SNDHWM`` is this over ``merge_bytes``: 256 at :data:`DEFAULT_MERGE_BYTES`, where 10,000
-payloads could hold 640 MiB. A batch larger than ``merge_bytes`` goes out alone and unsplit,
-so queued messages of such batches cost more (each at most the source's frame bound)."""
-
-
-def output_hwm_for(merge_bytes: int) -> int:
-    """The ``SNDHWM`` of an output that merges batches into payloads of up to ``merge_bytes``:
-    :data:`OUTPUT_QUEUE_BYTES` of them, at least 1 (ZMQ takes 0 as no bound) and at most
-    :data:`DEFAULT_OUTPUT_HWM`, which any ``merge_bytes`` below 1,678 gets.
-
-    Outside a backlog each message is one batch, usually far smaller than ``merge_bytes``: a
-    consumer that stalls then drops after this many batches, and replays them."""
-    if merge_bytes == 0:
-        return DEFAULT_OUTPUT_HWM
-    return max(1, min(DEFAULT_OUTPUT_HWM, OUTPUT_QUEUE_BYTES // merge_bytes))
 
 
 def _opening_clear(ts: float, dp_rank: int) -> bytes:
@@ -151,7 +129,8 @@ class Relay(ClosedOnExit):
     """Relays and canonicalises the KV-event streams of one or more vLLM workers.
 
     Each output's PUB socket has the high-water mark ``output_hwm``; ``None`` (the default)
-    takes it from ``merge_bytes`` (:func:`output_hwm_for`), so that what a consumer that never
+    takes it from ``merge_bytes``
+    (:func:`~kvbridge.adapters.socket_limits.output_hwm_for`), so that what a consumer that never
     reads holds queued stays about :data:`OUTPUT_QUEUE_BYTES` however large a merged batch is.
     ``max_frame_bytes``, ``replay_*`` and ``clear_*`` are passed on to its ``Subscriber``.
     """
@@ -189,13 +168,14 @@ class Relay(ClosedOnExit):
         raise_limits(self.context, len(sources) * per_source + SOCKET_HEADROOM)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._thread_running = False
+        self._thread_closes = False  # close gave up waiting: the thread closes the sockets
         self._failure: Exception | None = None
         self.outputs: dict[Source, Publisher] = {}
         self._replays: ReplayServer | None = None
         """One thread and one poller serve every output's replays (not a thread each)."""
-        self._snapshots: queue.SimpleQueue[
-            tuple[Source, int, Future[tuple[int, list[bytes]] | None]]
-        ] = queue.SimpleQueue()
+        self._snapshots = SnapshotRequests[Source](lambda: self.subscriber.wakeup.wake())
         self.subscriber = Subscriber(
             sources,
             context=self.context,
@@ -245,7 +225,7 @@ class Relay(ClosedOnExit):
                 publisher.publish(_opening_clear(time.time(), rank))
                 self.output_stats.opened += 1
                 if publish_replay:
-                    publisher.snapshot = self._snapshot_provider(source)
+                    publisher.snapshot = self._snapshots.provider(source)
             replaying = [
                 p.replay_socket() for p in self.outputs.values() if p.replay_endpoint is not None
             ]
@@ -273,50 +253,27 @@ class Relay(ClosedOnExit):
                     self._publish_held()
         finally:
             self._publish_held()
-        self._answer_snapshots()
+        self._snapshots.answer(self._snapshot)
         if self.heartbeat_s is not None:
             self._heartbeat(self.heartbeat_s)
         return len(items)
 
-    def _snapshot_provider(self, source: Source) -> SnapshotProvider:
-        """What ``source``'s publisher calls, on its replay thread, for a request older than
-        its buffer: the request is queued for the relay's thread (:meth:`_answer_snapshots`)."""
-
-        def provide(start_seq: int) -> tuple[int, list[bytes]] | None:
-            future: Future[tuple[int, list[bytes]] | None] = Future()
-            self._snapshots.put((source, start_seq, future))
-            self.subscriber.wakeup.wake()
-            try:
-                return future.result(SNAPSHOT_TIMEOUT_S)
-            except (FutureTimeout, CancelledError):
-                future.cancel()
-                return None
-
-        return provide
-
-    def _answer_snapshots(self) -> None:
-        """Take the snapshots the replay threads asked for, on the relay's thread: the state
-        as of the last batch published, with the seq the next one will get. Numbered from the
-        seq asked for, its payloads must stay below that one: if they would not, empty
+    def _snapshot(self, source: Source, start_seq: int) -> Snapshot:
+        """The snapshot a replay thread asked for (:mod:`~kvbridge.adapters.snapshot_requests`):
+        the state as of the last batch published, with the seq the next one will get. Numbered
+        from the seq asked for, its payloads must stay below that one: if they would not, empty
         batches (heartbeats) are published first, as many as that takes."""
-        while True:
-            try:
-                source, start_seq, future = self._snapshots.get_nowait()
-            except queue.Empty:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            now = time.time()
-            payloads = [
-                payload
-                for batch in self.pipeline.snapshot(source)
-                for payload in batch.canonical_payloads(now)
-            ]
-            publisher = self.outputs[source]
-            while publisher.next_seq < start_seq + len(payloads):
-                self._publish_empty(source, publisher)
-            self.output_stats.snapshots += 1
-            future.set_result((publisher.next_seq, payloads))
+        now = time.time()
+        payloads = [
+            payload
+            for batch in self.pipeline.snapshot(source)
+            for payload in batch.canonical_payloads(now)
+        ]
+        publisher = self.outputs[source]
+        while publisher.next_seq < start_seq + len(payloads):
+            self._publish_empty(source, publisher)
+        self.output_stats.snapshots += 1
+        return publisher.next_seq, payloads
 
     def _heartbeat(self, interval: float) -> None:
         """An empty batch with the next seq on every output idle for ``interval`` seconds."""
@@ -376,20 +333,42 @@ class Relay(ClosedOnExit):
         if self._thread is not None:
             raise RuntimeError("the relay is already running")
         self._thread = threading.Thread(
-            target=self.run, args=(self._stop, timeout_ms), name="kvbridge-relay", daemon=True
+            target=self._run_thread, args=(timeout_ms,), name="kvbridge-relay", daemon=True
         )
+        self._thread_running = True
         self._thread.start()
 
+    def _run_thread(self, timeout_ms: int) -> None:
+        try:
+            self.run(self._stop, timeout_ms)
+        finally:
+            with self._thread_lock:
+                self._thread_running = False
+                closes = self._thread_closes
+            if closes:
+                self._close_sockets()
+
     def close(self) -> None:
-        """Stop the thread :meth:`start` started, if any, and close the sockets. Idempotent."""
+        """Stop the thread :meth:`start` started, if any, and close the sockets. Idempotent.
+
+        A thread still busy after ``_STOP_TIMEOUT_S`` keeps the sockets, and closes them when
+        it ends: ZMQ sockets are not thread-safe, and libzmq may abort the process on one
+        closed under a thread that uses it."""
         if self._stop.is_set():
             return
         self._stop.set()
         self.subscriber.wakeup.wake()
         if self._thread is not None:
             self._thread.join(_STOP_TIMEOUT_S)
-        while not self._snapshots.empty():  # no thread will take them now
-            self._snapshots.get_nowait()[2].cancel()
+            with self._thread_lock:
+                self._thread_closes = self._thread_running
+            if self._thread_closes:
+                log.warning("relay thread still busy; it closes its sockets when it ends")
+                return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._snapshots.cancel()
         self.subscriber.close()
         if self._replays is not None:
             self._replays.close()
