@@ -1127,6 +1127,41 @@ def test_restart_after_a_replay_is_still_a_restart(ctx: zmq.Context[zmq.Socket[b
     assert overlaps(index, [a, b, c, d]) == [{}, {}, {}, {(1, 0): (3, 3, 3)}]
 
 
+def test_a_drop_before_anything_was_delivered_is_caught_up_from_0(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The catch-up after a drop replays a stream that has delivered nothing (since it began, or
+    since a restart's clear) from 0, as its first message past 0 would have it replayed: here
+    the engine publishes two batches while the connection is down and then stays idle. The
+    peer the SUB connects to is a bare PUB, closed and bound again to drop the connection; the
+    replay endpoint is the engine's."""
+    base = free_port_range(1)
+    engine = Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, context=ctx)
+    engine.start_replay_thread()
+    source = Source(f"tcp://*:{base}", engine.replay_endpoint, 1)
+
+    def peer() -> zmq.Socket[bytes]:
+        socket = ctx.socket(zmq.PUB)
+        socket.bind(f"tcp://127.0.0.1:{base}")
+        return socket
+
+    first = peer()
+    with engine, Subscriber([source], context=ctx) as subscriber:
+        stats = subscriber.stats
+        items = poll_for(subscriber, 0.3)  # connected, nothing to read
+        first.close(linger=0)
+        listener_gone(base)
+        items += poll_until(subscriber, lambda: stats.disconnects)
+        engine.publish(VALID)
+        engine.publish(VALID)
+        second = bound_again(peer)
+        items += poll_until(subscriber, lambda: stats.replayed == 2)
+        second.close(linger=0)
+        final = deepcopy(stats)
+    assert shape(items) == [(0, True), (1, True)]
+    assert final == SubscriberStats(disconnects=1, replays=1, replayed=2)
+
+
 def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

@@ -202,14 +202,19 @@ class Sequencer:
         asked for, after a check that timed out: within the back-off that began).
         Without this, an engine that went idle after the drop (or a restarted one that has
         sent nothing yet) would leave its worker's blocks stale downstream until it sent
-        again. Nothing to do if the stream's next message got there first, or if there is no
-        batch to continue or replay endpoint to ask."""
+        again. A stream that has delivered nothing since it began or was cleared is replayed
+        from 0, as its first message past 0 would have it replayed: a new process found by
+        the last catch-up may have sent its first batches while the connection was down again.
+        Nothing to do if the stream's next message got there first, or if there is no replay
+        endpoint to ask."""
         last = stream.last
-        if not stream.reconnected or stream.suspended or stream.starting_over or last is None:
+        if not stream.reconnected or stream.suspended or stream.starting_over:
             return []
         if not stream.source.replay_endpoint:
             return []
         stream.reconnected = False
+        if last is None:
+            return (yield from self.replay.recover(stream, 0, None))
         same, answer = yield from self.replay.check_publisher(stream, last)
         if same:
             missed = next((message.seq for message in answer if message.seq > last), None)

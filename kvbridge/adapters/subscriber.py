@@ -375,9 +375,9 @@ class Subscriber(ClosedOnExit):
     def _disconnected(self, stream: StreamState) -> None:
         """A peer dropped: ZMQ refused a frame over ``MAXMSGSIZE`` (after which it does not
         reconnect), the engine went away, or its heartbeats stopped. A connecting SUB is
-        reopened (a bound one is reconnected by its peer); the publisher is to be checked (see
-        the module's "reconnects") if a batch came or a replay may bring one."""
-        stream.reconnected = stream.last is not None or self._replays.waiting(stream)
+        reopened (a bound one is reconnected by its peer); the publisher is to be checked, or
+        a stream with nothing delivered replayed from 0 (see the module's "reconnects")."""
+        stream.reconnected = True
         stream.end_replay_back_off()
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import zmq
 
 from kvbridge.adapters.publisher import DEFAULT_BUFFER_STEPS, Publisher
 
 __all__ = ["bound_again", "engine_on", "listener_gone"]
+
+Bound = TypeVar("Bound")
 
 
 def engine_on(
@@ -39,8 +42,8 @@ def engine_on(
     return engine
 
 
-def bound_again(make: Callable[[], Publisher], timeout: float = 5.0) -> Publisher:
-    """``make()`` of a publisher on the ports of one just closed, retried for up to ``timeout``
+def bound_again(make: Callable[[], Bound], timeout: float = 5.0) -> Bound:
+    """``make()`` of a publisher (or socket) on the ports of one just closed, retried for up to ``timeout``
     seconds while they are still held: ZMQ closes a socket in its I/O thread, after ``close``
     returns."""
     deadline = time.monotonic() + timeout
