@@ -23,6 +23,7 @@ from kvbridge.ray_integration import (
     vllm_engine_kwargs,
     worker_id_for,
 )
+from kvbridge.ray_integration.kv_router import replica_groups
 from kvbridge.ray_integration.prompt import (
     load_tokenizer,
     prompt_lora_name,
@@ -267,3 +268,26 @@ def test_a_deployments_routers_share_its_first_routing_state() -> None:
     finally:
         close_routing_states()
     assert find_routing_state(deployment) is None
+
+
+@pytest.mark.parametrize(
+    ("ranking", "workers", "expected"),
+    [
+        # A first answer among several registered replicas is the pick alone: Serve asks
+        # again if it is full, and the retry's ranking holds the others.
+        ([[1]], {1: "a", 2: "b"}, [["A"]]),
+        # The retry's ranking: the unregistered candidate is the last resort.
+        ([[1], [2]], {1: "a", 2: "b"}, [["A"], ["B"], ["C"]]),
+        # The only registered replica's pick holds every registered one.
+        ([[1]], {1: "a"}, [["A"], ["C"]]),
+        # A replica registered after the ranking was made goes last, before the unregistered.
+        ([[1], [2]], {1: "a", 2: "b", 4: "d"}, [["A"], ["B"], ["D", "C"]]),
+        # A ranked replica no longer among the candidates is left out.
+        ([[1], [2]], {1: "a"}, [["A"], ["C"]]),
+    ],
+)
+def test_replica_groups_put_what_dynamo_did_not_rank_last(
+    ranking: list[list[int]], workers: dict[int, str], expected: list[list[str]]
+) -> None:
+    by_id = {replica: replica.upper() for replica in ("a", "b", "c", "d")}
+    assert replica_groups(ranking, workers, by_id, ["C"]) == expected

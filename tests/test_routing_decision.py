@@ -16,6 +16,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import structlog
 
@@ -30,6 +31,8 @@ from kvbridge.testing import SimulatedEngine
 BLOCK = 16
 PROMPT = [300 + i for i in range(BLOCK * 6)]
 REPLICAS = ("ra", "rb", "rc")
+TOKEN_CHECK_DELAY_S = 0.5
+"""RoutingState's default: a completed request's tokens are checked this long after."""
 NO_ENDPOINTS = "no endpoints available to route work"
 """Dynamo's error for a selection among worker ids it does not know."""
 
@@ -124,7 +127,7 @@ def test_a_retry_whose_pick_left_the_candidates_is_picked_anew(state: RoutingSta
     """Serve asks again for a request whose pick is no longer a candidate: Dynamo picks anew
     among the candidates, and the old booking is freed, counted ``reselected``, while its
     worker is registered. A deregistered worker's bookings went with it in Dynamo: none is
-    freed then (the free would fail, counted ``free_failed``)."""
+    freed then (the free would fail, counted ``free_failed``), counted ``deregistered``."""
     workers = state.ready_workers(REPLICAS)
     a = worker_id_for(REPLICAS[0])
 
@@ -150,9 +153,36 @@ def test_a_retry_whose_pick_left_the_candidates_is_picked_anew(state: RoutingSta
     third = asyncio.run(state.choose("request", PROMPT, others))
     assert list(others) == [third.worker_id]
     settled()
-    assert state.stats.registry.releases - releases == Counter({Release.RESELECTED: 1})
+    gone = Counter({Release.RESELECTED: 1, Release.DEREGISTERED: 1})
+    assert state.stats.registry.releases - releases == gone
     assert state.stats.registry.free_failed == 0
     assert (state.reservations, state.client.active_reservations()) == (1, 1)
+
+
+def test_a_booking_on_a_worker_registered_anew_is_not_freed(state: RoutingState) -> None:
+    """A replica whose advert changed is registered anew with Dynamo (deleted, then added), which
+    drops its bookings: the completion of a request booked before sends no free, which would
+    fail (``free_failed``) and log a warning, and is counted ``deregistered``. Its tokens are not
+    checked against a registration that is gone."""
+    workers = state.ready_workers(REPLICAS)
+    a = worker_id_for(REPLICAS[0])
+    time.sleep(TOKEN_CHECK_DELAY_S + 0.3)  # the fixture's probes' frees and token checks
+    releases = Counter(state.stats.registry.releases)
+    checks = Counter(state.stats.token_checks)
+    assert asyncio.run(state.choose("request", PROMPT, {a: REPLICAS[0]})).worker_id == a
+    advert = state.registry.worker(REPLICAS[0])
+    assert advert is not None
+    moved = msgspec.structs.replace(advert.advert, replay_endpoints={0: "tcp://127.0.0.1:1"})
+    registering = state.sync({REPLICAS[0]: moved.routing_stats()}, complete=False)
+    assert registering is not None
+    registering.result(10)
+    assert state.client.active_reservations() == 0  # gone with the old registration
+    state.release("request")
+    time.sleep(TOKEN_CHECK_DELAY_S + 0.3)  # when a check would have run
+    assert state.stats.registry.releases - releases == Counter({Release.DEREGISTERED: 1})
+    assert state.stats.registry.free_failed == 0
+    assert state.stats.token_checks == checks
+    assert state.ready_workers(REPLICAS) == workers  # registered anew, same worker ids
 
 
 def test_no_answer_is_counted_and_logged_with_why(state: RoutingState) -> None:

@@ -83,8 +83,11 @@ class Release(StrEnum):
     """The caller gave the request up before Serve placed it (Serve then reports neither a
     placement nor a completion)."""
     RESELECTED = "reselected"
-    """Serve asked again for the request when its pick, still registered, was no longer a
-    candidate, and Dynamo picked anew."""
+    """Serve asked again for the request when its pick was no longer a candidate, and Dynamo
+    picked anew."""
+    DEREGISTERED = "deregistered"
+    """Its worker was deregistered, or registered anew after its advert changed, before the
+    free: Dynamo dropped the booking with the registration, so none was sent."""
     UNREGISTERED = "unregistered"
     """Serve placed the request on a replica Dynamo has not registered (the last resort when
     every registered one was full): Dynamo cannot book its load there."""

@@ -19,7 +19,8 @@ import asyncio
 import time
 import weakref
 from array import array
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TypeVar, cast
 
 import ray
 from ray.serve._private.replica_result import ActorReplicaResult, ReplicaResult
@@ -43,12 +44,33 @@ from kvbridge.ray_integration.prompt import (
 from kvbridge.ray_integration.routing import NoChoice, RoutingState
 from kvbridge.ray_integration.routing_states import routing_state
 
-__all__ = ["DynamoKVRouter", "deployment_key"]
+__all__ = ["DynamoKVRouter", "deployment_key", "replica_groups"]
+
+Replica = TypeVar("Replica")
 
 
 def deployment_key(app_name: str, deployment_name: str) -> str:
     """How a deployment's routing state is named: ``"app#deployment"``."""
     return f"{app_name}#{deployment_name}"
+
+
+def replica_groups(
+    ranking: list[list[int]],
+    workers: Mapping[int, str],
+    by_id: Mapping[str, Replica],
+    unregistered: list[Replica],
+) -> list[list[Replica]]:
+    """Dynamo's ``ranking`` of worker ids as the groups of candidate replicas Serve tries in
+    turn. A ranking that held every registered replica when it was made (a retry's, or the
+    pick when it was the only one) is followed by the candidates it does not hold, registered
+    since or not registered (``unregistered``): the last resort, rather than a request
+    waiting while they are idle."""
+    ranked = [[by_id[workers[w]] for w in group if w in workers] for group in ranking]
+    in_ranking = set().union(*ranking)
+    if len(ranking) > 1 or workers.keys() <= in_ranking:
+        newer = [by_id[replica] for w, replica in workers.items() if w not in in_ranking]
+        ranked.append(newer + unregistered)
+    return [group for group in ranked if group]
 
 
 class _Candidates(NamedTuple):
@@ -193,12 +215,7 @@ class DynamoKVRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             pending_request.kwargs[self._dp_rank_kwarg] = choice.dp_rank
         # Every rank below holds all candidates: when all are full, back off before retrying.
         pending_request.routing_context.should_backoff = True
-        ranked = [[by_id[workers[w]] for w in group if w in workers] for group in choice.ranking]
-        if candidates.unregistered and workers.keys() <= set().union(*choice.ranking):
-            # Every registered replica is ranked: the unregistered ones are the last resort,
-            # rather than a request waiting while they are idle.
-            ranked.append(candidates.unregistered)
-        return [group for group in ranked if group]
+        return replica_groups(choice.ranking, workers, by_id, candidates.unregistered)
 
     def _watch_cancellation(self, pending_request: PendingRequest) -> None:
         """Free the request's reservation if its caller gives it up before Serve places it:

@@ -134,10 +134,11 @@ class WorkerRegistry:
             return None
         return self.client.run(self._apply_registry([], [worker]))
 
-    def has_worker(self, worker_id: int) -> bool:
-        """Whether a replica registered (or on its way) is Dynamo's worker ``worker_id``."""
+    def is_current(self, worker: Worker) -> bool:
+        """Whether ``worker`` is still its replica's registration: not deregistered, nor
+        replaced by a new one after the replica's advert changed."""
         with self._lock:
-            return any(worker.worker_id == worker_id for worker in self._workers.values())
+            return self._workers.get(worker.replica_id) is worker
 
     @property
     def registry_version(self) -> int:

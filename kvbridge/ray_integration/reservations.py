@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -26,6 +27,7 @@ import structlog
 
 from kvbridge.adapters.selection_client import SelectionClient
 from kvbridge.ray_integration.decisions import Choice, RegistryStats, Release
+from kvbridge.ray_integration.registry import Worker
 from kvbridge.schemas import Overlap
 
 __all__ = ["Reservation", "Reservations"]
@@ -44,6 +46,10 @@ class Reservation:
     """A moved reservation's ``create_reservation``, submitted and perhaps not yet applied:
     its free is sent once that is done, or the free could reach Dynamo first, fail, and leave
     the booking to stay for good."""
+    worker: Worker | None = None
+    """The registration the load is booked on: Dynamo drops a worker's bookings when it is
+    deregistered, or registered anew after its advert changed, and then there is nothing to
+    free (a free would fail)."""
 
 
 class Reservations:
@@ -58,6 +64,7 @@ class Reservations:
         token_check: called with ``(prompt, worker_id)`` on the service's loop, ``delay_s``
             after each request completed (see :attr:`RouterStats.token_checks
             <kvbridge.ray_integration.decisions.RouterStats.token_checks>`); ``None``: no checks.
+        registered: whether a registration is still the registry's (its bookings stand).
     """
 
     def __init__(
@@ -69,6 +76,7 @@ class Reservations:
         model_name: str,
         token_check: Callable[[dict[str, Any], int], Any] | None,
         token_check_delay_s: float,
+        registered: Callable[[Worker], bool],
     ) -> None:
         self.client = client
         self.counts = counts
@@ -76,6 +84,7 @@ class Reservations:
         self.model_name = model_name
         self._token_check = token_check
         self._token_check_delay_s = token_check_delay_s
+        self._registered = registered
         self._lock = threading.Lock()
         self._held: OrderedDict[str, Reservation] = OrderedDict()
         self._freeing: set[concurrent.futures.Future[Any]] = set()
@@ -92,31 +101,24 @@ class Reservations:
         with self._lock:
             return self._held.get(request_id)
 
-    def hold(self, request_id: str, choice: Choice, prompt: dict[str, Any]) -> None:
+    def hold(
+        self, request_id: str, choice: Choice, prompt: dict[str, Any], worker: Worker | None
+    ) -> None:
+        """Keep the reservation of ``choice``, booked on ``worker``'s registration."""
         with self._lock:
-            self._held[request_id] = Reservation(choice, time.monotonic(), prompt)
-
-    def reselect(self, request_id: str, *, booked: bool) -> None:
-        """Forget the reservation of a request whose pick is no longer a candidate, before
-        Dynamo picks anew; its booking is freed if ``booked`` (its worker is still registered:
-        a deregistered worker's bookings went with it, and a free would fail). Idempotent."""
-        with self._lock:
-            held = self._held.pop(request_id, None)
-        if held is not None and booked:
-            self._free_held(held, Release.RESELECTED)
+            self._held[request_id] = Reservation(choice, time.monotonic(), prompt, worker=worker)
 
     def rerank(self, request_id: str, held: Reservation, choice: Choice) -> None:
         """Keep ``choice`` (``held``'s, ranked) unless the request's reservation changed since."""
         with self._lock:
             if self._held.get(request_id) is held:
-                self._held[request_id] = Reservation(
-                    choice, held.created, held.prompt, held.booking
-                )
+                self._held[request_id] = dataclasses.replace(held, choice=choice)
 
-    def move(self, request_id: str, worker_id: int, dp_rank: int) -> None:
+    def move(self, request_id: str, worker: Worker) -> None:
         """Serve placed the request on ``worker_id``. If that is not Dynamo's pick (the pick was
         full and Serve took a replica of a lower rank), move the reservation there, so that
         Dynamo books the load where it is."""
+        worker_id, dp_rank = worker.worker_id, worker.advert.dp_ranks[0]
         with self._lock:
             held = self._held.get(request_id)
             if held is None or held.choice.worker_id == worker_id:
@@ -124,7 +126,7 @@ class Reservations:
             selection_id = self.selection_id(request_id)
             moved = Choice(selection_id, worker_id, dp_rank, held.choice.ranking, Overlap(0, 0, 0))
             booking: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            self._held[request_id] = Reservation(moved, held.created, held.prompt, booking)
+            self._held[request_id] = Reservation(moved, held.created, held.prompt, booking, worker)
         self._free_held(held, Release.MOVED)
         request: dict[str, Any] = {
             "selection_id": selection_id,
@@ -144,14 +146,15 @@ class Reservations:
             held = self._held.pop(request_id, None)
         if held is None:
             return
-        self._free_held(held, Release.FREED)
-        if self._token_check is not None and held.prompt["block_hashes"]:
+        booked = self._free_held(held, Release.FREED)
+        if booked and self._token_check is not None and held.prompt["block_hashes"]:
             self._check_later(held)
 
     def cancel(self, request_id: str, reason: Release = Release.CANCELLED) -> None:
         """Free the reservation of a request that will not run where it was booked: its caller
-        gave it up before Serve placed it, or Serve placed it where Dynamo books nothing. Its
-        tokens are not checked. Idempotent."""
+        gave it up before Serve placed it, Serve placed it where Dynamo books nothing, or its
+        pick left the candidates and Dynamo picks anew. Its tokens are not checked.
+        Idempotent."""
         with self._lock:
             held = self._held.pop(request_id, None)
         if held is not None:
@@ -200,13 +203,18 @@ class Reservations:
             return
         self.free(future.result().selection_id, Release.LATE_FREED)
 
-    def _free_held(self, held: Reservation, outcome: Release) -> None:
+    def _free_held(self, held: Reservation, outcome: Release) -> bool:
         """Free ``held``'s booking, after its ``create_reservation`` if that is still on its
-        way (see :attr:`Reservation.booking`); the wait counts as a free in flight."""
+        way (see :attr:`Reservation.booking`); the wait counts as a free in flight. A booking
+        whose registration is gone went with it in Dynamo: nothing is sent, and it is counted
+        ``deregistered``. Returns whether the registration stands."""
+        if held.worker is not None and not self._registered(held.worker):
+            self.counts.releases[Release.DEREGISTERED] += 1
+            return False
         booking, selection_id = held.booking, held.choice.selection_id
         if booking is None or booking.done():
             self.free(selection_id, outcome)
-            return
+            return True
         with self._lock:
             self._freeing.add(booking)
 
@@ -216,6 +224,7 @@ class Reservations:
                 self._freeing.discard(done)
 
         booking.add_done_callback(booked)
+        return True
 
     def free(self, selection_id: str, outcome: Release) -> None:
         def done(future: concurrent.futures.Future[Any]) -> None:

@@ -103,6 +103,7 @@ class RoutingState:
             model_name=model_name,
             token_check=None if token_check_delay_s is None else self._check_tokens,
             token_check_delay_s=token_check_delay_s or 0.0,
+            registered=self.registry.is_current,
         )
         self._lock = threading.Lock()
         self._attached: dict[str, Any] = {}
@@ -191,7 +192,7 @@ class RoutingState:
             self.stats.outcomes["repeat"] += 1
             return await self._ranked(request_id, held, workers)
         if held is not None:  # its pick left the candidates: Dynamo picks anew
-            self.held.reselect(request_id, booked=self.registry.has_worker(held.choice.worker_id))
+            self.held.cancel(request_id, Release.RESELECTED)
         if not workers:
             raise NoChoice("no_workers")
         selection_id = self.held.selection_id(request_id)
@@ -216,7 +217,7 @@ class RoutingState:
             raise
         except (SelectionServiceError, ValueError) as error:
             raise NoChoice("service_error", str(error)) from None
-        self.held.hold(request_id, choice, prompt)
+        self.held.hold(request_id, choice, prompt, self.registry.worker(workers[choice.worker_id]))
         latency = time.perf_counter() - started
         self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
         return choice
@@ -323,12 +324,12 @@ class RoutingState:
 
     def routed(self, request_id: str, replica_id: str) -> None:
         """Serve placed the request on ``replica_id``: the reservation follows it there, or is
-        freed if Dynamo has not registered that replica."""
+        freed if Dynamo has not registered that replica (or not yet)."""
         worker = self.registry.worker(replica_id)
-        if worker is None:
+        if worker is None or not worker.ready:
             self.held.cancel(request_id, Release.UNREGISTERED)
         else:
-            self.held.move(request_id, worker.worker_id, worker.advert.dp_ranks[0])
+            self.held.move(request_id, worker)
 
     def release(self, request_id: str) -> None:
         """Free the request's reservation (its attempt completed). Idempotent."""
