@@ -959,6 +959,26 @@ def test_a_relay_asleep_in_a_long_poll_is_woken_for_a_snapshot_and_to_stop() -> 
     ctx.term()
 
 
+def test_heartbeats_cap_the_relay_threads_poll() -> None:
+    """An idle output's heartbeats are sent between polls: a relay started with a poll of a
+    minute still polls a tenth of ``heartbeat_s`` at most, and keeps its idle outputs beating."""
+    ctx = zmq.Context()
+    base = free_port_range(3)
+    engine = Publisher(f"tcp://127.0.0.1:{base}", context=ctx, bind=True)
+    source = Source(engine.endpoint, worker_id=1, bind=False)
+    relay = Relay(
+        [source],
+        block_size=BLOCK_SIZE,
+        publish=f"tcp://127.0.0.1:{base + 1}",
+        heartbeat_s=0.1,
+        context=ctx,
+    )
+    with engine, relay:
+        relay.start(timeout_ms=60_000)
+        _wait(lambda: relay.output_stats.heartbeats >= 3)
+    ctx.term()
+
+
 def test_a_relay_thread_still_busy_when_close_gives_up_keeps_its_sockets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

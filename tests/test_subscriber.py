@@ -1565,18 +1565,20 @@ def test_a_waiting_poll_ends_when_another_thread_wakes_it(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """A loop's poll sees a stop, or work another thread queued for it, at once: a poll of a
-    minute returns empty as soon as ``wakeup.wake()`` is called, and the wake-up is taken, so
-    that the next poll waits its timeout again. Once the subscriber is closed, a wake-up does
-    nothing."""
+    minute returns empty as soon as ``wakeup.wake()`` is called. Wake-ups sent before a poll
+    are all taken by it, so that the next poll waits its timeout again. Once the subscriber is
+    closed, a wake-up does nothing."""
     source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", worker_id=2)
     subscriber = Subscriber([source], context=ctx)
     polls: list[list[Message | StreamReset]] = []
     thread = threading.Thread(target=lambda: polls.append(subscriber.poll(60_000)))
     thread.start()
     subscriber.wakeup.wake()
-    subscriber.wakeup.wake()
     thread.join(TIMEOUT)
     assert not thread.is_alive() and polls == [[]]
+    subscriber.wakeup.wake()
+    subscriber.wakeup.wake()
+    assert subscriber.poll(60_000) == []
     started = time.monotonic()
     assert subscriber.poll(300) == []
     assert time.monotonic() - started >= 0.25, "a wake-up was left for the next poll"

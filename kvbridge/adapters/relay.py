@@ -129,9 +129,9 @@ class Relay(ClosedOnExit):
     """Relays and canonicalises the KV-event streams of one or more vLLM workers.
 
     Each output's PUB socket has the high-water mark ``output_hwm``; ``None`` (the default)
-    takes it from ``merge_bytes``
-    (:func:`~kvbridge.adapters.socket_limits.output_hwm_for`), so that what a consumer that never
-    reads holds queued stays about :data:`OUTPUT_QUEUE_BYTES` however large a merged batch is.
+    takes it from ``merge_bytes`` (:func:`~kvbridge.adapters.socket_limits.output_hwm_for`), so
+    that what a consumer that never reads holds queued stays about
+    :data:`~kvbridge.adapters.socket_limits.OUTPUT_QUEUE_BYTES` however large a merged batch is.
     ``max_frame_bytes``, ``replay_*`` and ``clear_*`` are passed on to its ``Subscriber``.
     """
 
@@ -244,6 +244,8 @@ class Relay(ClosedOnExit):
 
         Everything it normalized is published before it returns (see :data:`PUBLISH_BURST`).
         """
+        if self.heartbeat_s is not None:  # they are sent between polls
+            timeout_ms = min(timeout_ms, int(self.heartbeat_s * 100))
         items = self.subscriber.poll(timeout_ms)
         held, feed = self._held, self.pipeline.feed
         try:
@@ -329,7 +331,8 @@ class Relay(ClosedOnExit):
 
     def start(self, timeout_ms: int = 100) -> None:
         """Relay on a daemon thread until :meth:`close`, polling ``timeout_ms`` at most at a
-        time (:meth:`close` wakes it). Do not call :meth:`step` as well: the sockets are its."""
+        time (a tenth of ``heartbeat_s`` at most; :meth:`close` wakes it). Do not call
+        :meth:`step` as well: the sockets are its."""
         if self._thread is not None:
             raise RuntimeError("the relay is already running")
         self._thread = threading.Thread(
@@ -369,8 +372,8 @@ class Relay(ClosedOnExit):
 
     def _close_sockets(self) -> None:
         self._snapshots.cancel()
-        self.subscriber.close()
-        if self._replays is not None:
+        if self._replays is not None:  # first: its snapshot requests wake the subscriber
             self._replays.close()
+        self.subscriber.close()
         for publisher in self.outputs.values():
             publisher.close()

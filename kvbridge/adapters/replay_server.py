@@ -288,12 +288,12 @@ class ReplayServer:
         self.failure: Exception | None = None
         """What ended the thread, if an error did: replay requests go unanswered."""
         self._poller = zmq.Poller()
-        self._wakeup = Wakeup(self._poller)
         self._sockets: dict[zmq.Socket[bytes], ReplaySocket] = {}
         for replays in sockets:
             router = replays.adopt(self._thread, self)
             self._sockets[router] = replays
             self._poller.register(router, zmq.POLLIN)
+        self._wakeup = Wakeup(self._poller)  # last: nothing after it can raise
 
     def start(self) -> Self:
         """Start serving; returns the server."""

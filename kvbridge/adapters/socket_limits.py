@@ -50,9 +50,10 @@ the consumer sees a gap it can replay."""
 OUTPUT_QUEUE_BYTES: Final = 16 * 1024 * 1024
 """What a consumer that never reads costs the relay per output in merged payloads. ZMQ bounds
 a queue in messages, and a merged one holds up to about ``merge_bytes``, so the output's
-``SNDHWM`` is this over ``merge_bytes``: 256 at :data:`DEFAULT_MERGE_BYTES`, where 10,000
-payloads could hold 640 MiB. A batch larger than ``merge_bytes`` goes out alone and unsplit,
-so queued messages of such batches cost more (each at most the source's frame bound)."""
+``SNDHWM`` is this over ``merge_bytes``: 256 at the relay's default ``merge_bytes``
+(:data:`~kvbridge.adapters.relay.DEFAULT_MERGE_BYTES`), where 10,000 payloads could hold
+640 MiB. A batch larger than ``merge_bytes`` goes out alone and unsplit, so queued messages of
+such batches cost more (each at most the source's frame bound)."""
 
 
 def output_hwm_for(merge_bytes: int) -> int:
