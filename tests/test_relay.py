@@ -869,7 +869,7 @@ def _replay_answer(
 
 
 def _snapshot_relay(
-    ctx: zmq.Context[zmq.Socket[bytes]], buffer_steps: int
+    ctx: zmq.Context[zmq.Socket[bytes]], buffer_steps: int, heartbeat_s: float | None = None
 ) -> tuple[Publisher, Source, Relay]:
     base = free_port_range(3)
     engine = Publisher(f"tcp://127.0.0.1:{base}", context=ctx, bind=True)
@@ -880,7 +880,7 @@ def _snapshot_relay(
         publish=f"tcp://127.0.0.1:{base + 1}",
         publish_replay=f"tcp://127.0.0.1:{base + 2}",
         buffer_steps=buffer_steps,
-        heartbeat_s=None,
+        heartbeat_s=heartbeat_s,
         merge_bytes=0,
         context=ctx,
     )
@@ -963,16 +963,7 @@ def test_heartbeats_cap_the_relay_threads_poll() -> None:
     """An idle output's heartbeats are sent between polls: a relay started with a poll of a
     minute still polls a tenth of ``heartbeat_s`` at most, and keeps its idle outputs beating."""
     ctx = zmq.Context()
-    base = free_port_range(3)
-    engine = Publisher(f"tcp://127.0.0.1:{base}", context=ctx, bind=True)
-    source = Source(engine.endpoint, worker_id=1, bind=False)
-    relay = Relay(
-        [source],
-        block_size=BLOCK_SIZE,
-        publish=f"tcp://127.0.0.1:{base + 1}",
-        heartbeat_s=0.1,
-        context=ctx,
-    )
+    engine, _, relay = _snapshot_relay(ctx, buffer_steps=8, heartbeat_s=0.1)
     with engine, relay:
         relay.start(timeout_ms=60_000)
         _wait(lambda: relay.output_stats.heartbeats >= 3)
