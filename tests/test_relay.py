@@ -961,7 +961,7 @@ def test_a_relay_asleep_in_a_long_poll_is_woken_for_a_snapshot_and_to_stop() -> 
 
 def test_heartbeats_cap_the_relay_threads_poll() -> None:
     """An idle output's heartbeats are sent between polls: a relay started with a poll of a
-    minute still polls a tenth of ``heartbeat_s`` at most, and keeps its idle outputs beating."""
+    minute still polls half of ``heartbeat_s`` at most, and keeps its idle outputs beating."""
     ctx = zmq.Context()
     engine, _, relay = _snapshot_relay(ctx, buffer_steps=8, heartbeat_s=0.1)
     with engine, relay:

@@ -244,8 +244,8 @@ class Relay(ClosedOnExit):
 
         Everything it normalized is published before it returns (see :data:`PUBLISH_BURST`).
         """
-        if self.heartbeat_s is not None:  # they are sent between polls
-            timeout_ms = min(timeout_ms, int(self.heartbeat_s * 100))
+        if self.heartbeat_s is not None:  # sent between polls, at most half an interval late
+            timeout_ms = min(timeout_ms, int(self.heartbeat_s * 500))
         items = self.subscriber.poll(timeout_ms)
         held, feed = self._held, self.pipeline.feed
         try:
@@ -331,7 +331,7 @@ class Relay(ClosedOnExit):
 
     def start(self, timeout_ms: int = 100) -> None:
         """Relay on a daemon thread until :meth:`close`, polling ``timeout_ms`` at most at a
-        time (a tenth of ``heartbeat_s`` at most; :meth:`close` wakes it). Do not call
+        time (half of ``heartbeat_s`` at most; :meth:`close` wakes it). Do not call
         :meth:`step` as well: the sockets are its."""
         if self._thread is not None:
             raise RuntimeError("the relay is already running")
