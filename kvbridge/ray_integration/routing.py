@@ -217,9 +217,11 @@ class RoutingState:
             raise
         except (SelectionServiceError, ValueError) as error:
             raise NoChoice("service_error", str(error)) from None
-        self.held.hold(request_id, choice, prompt, self.registry.worker(workers[choice.worker_id]))
+        replica_id = workers.get(choice.worker_id)  # Dynamo picks among them
+        booked_on = None if replica_id is None else self.registry.worker(replica_id)
+        self.held.hold(request_id, choice, prompt, booked_on)
         latency = time.perf_counter() - started
-        self._record(request_id, workers.get(choice.worker_id), choice, None, latency)
+        self._record(request_id, replica_id, choice, None, latency)
         return choice
 
     async def _select(self, request: dict[str, Any]) -> Choice:
