@@ -37,7 +37,8 @@ METRICS: dict[str, str] = {
     "kvbridge_gaps_total": "Sequence gaps detected",
     "kvbridge_replays_total": "Replay requests sent to the engine",
     "kvbridge_replayed_batches_total": "Batches recovered through replay",
-    "kvbridge_lost_batches_total": "Batches no replay could recover (the worker was cleared)",
+    "kvbridge_lost_batches_total": "Batches no replay could recover when they were missed (the "
+    "worker was cleared; a repair may deliver them later)",
     "kvbridge_restarts_total": "Publisher restarts detected, by the clear each takes (the "
     "sequence went back, or a new process found after a drop)",
     "kvbridge_duplicate_batches_total": "Live batches already delivered by a replay",
@@ -49,6 +50,8 @@ METRICS: dict[str, str] = {
     "kvbridge_replays_skipped_total": "Replays not asked for, as the source's replay endpoint "
     "timed out last time and its back-off has not passed (what they would fetch counts lost)",
     "kvbridge_replay_truncated_total": "Replay answers cut at their bound (the rest counted lost)",
+    "kvbridge_repairs_total": "Streams cleared and delivered again from a loss whose replay had "
+    "gone unanswered, once the engine's replay answered with the lost batches",
     "kvbridge_replay_answers_cut_total": "Answers to replay requests stopped before their end "
     "marker, by reason: peer_full (a peer that asks and does not read), peer_gone",
     "kvbridge_output_batches_total": "Batches the relay made itself, by kind: opening (the "

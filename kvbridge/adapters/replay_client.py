@@ -9,7 +9,8 @@ frames). Its uses, and the bounds on one answer:
   the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout, a
   back-off) is
   counted ``lost`` and a :class:`~kvbridge.adapters.source.StreamReset` goes out at the point
-  of the loss, since a lost removal would leave a stale block downstream;
+  of the loss, since a lost removal would leave a stale block downstream (what a timeout or a
+  back-off cost is repaired later if it can be, see :mod:`~kvbridge.adapters.repairs`);
 - **the publisher check** after a reconnect (:meth:`ReplayClient.check_publisher`): the batch
   delivered last, replayed, must be the same bytes, or the publisher is a new process;
 - **a start-over** after a suspension (:meth:`ReplayClient.run_before`): the batches the

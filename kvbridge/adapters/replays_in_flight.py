@@ -22,10 +22,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Final
 
 import zmq
 
+from kvbridge.adapters.repairs import repair
 from kvbridge.adapters.replay_client import Answer, Fetch, ReplayClient, Replayed, Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -61,6 +63,13 @@ class ReplaysInFlight:
         ``out``; a request goes out at once if there is a turn for it."""
         self._resume(stream, work, None, out)
         self._send_queued(out)
+
+    def repair(self, streams: Iterable[StreamState], out: list[Message | StreamReset]) -> None:
+        """Start the repair of each of ``streams`` that is due one and waits for no replay
+        (:mod:`~kvbridge.adapters.repairs`), its items onto ``out``."""
+        for stream in streams:
+            if not self.waiting(stream) and stream.repair_due():
+                self.run(stream, repair(self.client, stream), out)
 
     def wait_ms(self, timeout_ms: int) -> int:
         """``timeout_ms`` (negative: no bound), or less: until the first answer's deadline."""

@@ -50,10 +50,11 @@ class Message(msgspec.Struct, frozen=True):
         return [self.topic, seq8(self.seq), self.payload]
 
 
-ResetReason = Literal["restart", "lost"]
+ResetReason = Literal["restart", "lost", "repair"]
 """Why a stream was reset: a new process (or a stream that moved, or a publisher that could not
-be checked: :attr:`StreamReset.checked`), or batches lost for good from the same process (whose
-block identities survive downstream)."""
+be checked: :attr:`StreamReset.checked`), batches lost from the same process (whose block
+identities survive downstream), or a repair: the batches of such a loss are to be had after
+all, and the stream is delivered again from its first (identities survive too)."""
 
 
 class StreamReset(msgspec.Struct, frozen=True):

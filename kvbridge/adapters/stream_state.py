@@ -42,6 +42,7 @@ class StreamState:
         "lost",
         "monitor",
         "reconnected",
+        "repair_from",
         "replay_failures",
         "replay_resumes_at",
         "replayed_through",
@@ -109,6 +110,12 @@ class StreamState:
         subscriber's "reconnects") before the next message is taken as a continuation."""
         self.replay_failures = 0
         """Replays of this source that timed out in a row."""
+        self.repair_from: int | None = None
+        """The first batch of a loss whose replay went unanswered (it timed out, was skipped
+        within a back-off, or could not be sent), while the engine may still hold it: once
+        the back-off has passed, the stream is repaired from there (see
+        :meth:`~kvbridge.adapters.replay_client.ReplayClient.repair`). ``None`` when nothing
+        is to be repaired, or the loss is for good (an answer without the batches)."""
         self.replay_resumes_at = 0.0
         """Until then (``time.monotonic()``), after a timeout, no replay is asked for: see
         :meth:`ReplayClient.begin <kvbridge.adapters.replay_client.ReplayClient.begin>`."""
@@ -143,8 +150,15 @@ class StreamState:
         return max(first, self.unconfirmed_last + 1)
 
     def lose(self, stats: SubscriberStats, warn: LogLimiter, first: int, count: int) -> None:
-        """Count ``count`` batches from ``first`` as lost for good, and log them: after an
-        unconfirmed clear, only those from :meth:`counts_lost_from` (the log gives both)."""
+        """Count ``count`` batches from ``first`` as lost, and log them: after an unconfirmed
+        clear, only those from :meth:`counts_lost_from` (the log gives both). If the replay
+        that should have delivered them went unanswered (:attr:`replay_failures`), they are
+        to be repaired later (:attr:`repair_from`); if it answered without them, they are
+        lost for good, and so is any repair from before them."""
+        if self.replay_failures and self.source.replay_endpoint:
+            self.repair_from = first if self.repair_from is None else min(first, self.repair_from)
+        else:
+            self.repair_from = None
         end = first + count
         first = self.counts_lost_from(first)
         counted = max(0, end - first)
@@ -179,6 +193,8 @@ class StreamState:
         <kvbridge.adapters.source.StreamReset.checked>`)."""
         self.tokens -= 1
         self.unconfirmed_last = None if checked else self.last
+        if reason == "restart":
+            self.repair_from = None  # a new sequence: the old one's batches mean nothing
         return StreamReset(self.source, reason, lost, checked)
 
     @property
@@ -242,6 +258,18 @@ class StreamState:
         for any later one."""
         checked, self.suspension_checked = self.suspension_checked, True
         return checked
+
+    def repair_due(self) -> bool:
+        """Whether the stream is to be repaired now: a loss waits for it (:attr:`repair_from`),
+        the stream is in order and has delivered a batch since, the replay back-off has passed
+        and a clear is allowed."""
+        return (
+            self.repair_from is not None
+            and self.last is not None
+            and not self.out_of_order
+            and time.monotonic() >= self.replay_resumes_at
+            and self.may_clear()
+        )
 
     def end_replay_back_off(self) -> None:
         """Ask this source's replay endpoint again from now on: its publisher dropped or was

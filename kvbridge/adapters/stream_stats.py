@@ -134,6 +134,7 @@ class SubscriberStats:
     replay_timeouts: int = _exported("kvbridge_replay_timeouts_total")
     replays_skipped: int = _exported("kvbridge_replays_skipped_total")
     replay_truncated: int = _exported("kvbridge_replay_truncated_total")
+    repairs: int = _exported("kvbridge_repairs_total")
     bad_frames: Counter[BadFrame] = field(default_factory=Counter)
     """Messages skipped, by reason (every reason but :attr:`BadFrame.SCHEMA`)."""
 

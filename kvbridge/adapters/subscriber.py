@@ -27,7 +27,8 @@ handles the sockets:
   out); the others are read meanwhile (:mod:`~kvbridge.adapters.replays_in_flight`,
   ``max_replays`` answers at a time). With ``replay_on_start``, each source with a replay
   endpoint is asked for everything from 0 before any of its live messages, so that the
-  batches of an engine gone idle arrive too.
+  batches of an engine gone idle arrive too. A loss whose replay went unanswered is
+  repaired once the engine answers with it (``repairs``, :mod:`~kvbridge.adapters.repairs`).
 
 Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
 
@@ -169,8 +170,7 @@ class Subscriber(ClosedOnExit):
         self.poll_budget = poll_budget
         self.source_budget = source_budget
         self.stats = SubscriberStats()
-        """Every source's counts: messages, gaps, replays, losses, restarts, bad frames by
-        :class:`~kvbridge.adapters.stream_stats.BadFrame`..."""
+        """Every source's counts: messages, gaps, replays, losses, restarts, bad frames..."""
         self._warn = LogLimiter(log.warning)
         self.replay_client = ReplayClient(
             self.context,
@@ -218,8 +218,7 @@ class Subscriber(ClosedOnExit):
         self._starting = [stream for stream in starting if stream.source.replay_endpoint]
 
     def last_seq(self, source: Source) -> int | None:
-        """The seq of the last batch delivered from ``source``, ``None`` before the first;
-        ``KeyError`` for a source this subscriber does not read."""
+        """The seq of the last batch delivered from ``source`` (``None`` before the first)."""
         return self._by_source[source].last
 
     def lost_batches(self, source: Source) -> int:
@@ -277,12 +276,12 @@ class Subscriber(ClosedOnExit):
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
         """What arrived within ``timeout_ms``, within the budget, in stream order per source.
 
-        First come the clears of suspended streams whose clear token is back, then what the
-        replays that came in complete. Then it reads the ready sources round-robin (see the
-        module's "limits"): at most ``source_budget`` messages from one source and
-        ``poll_budget`` in all; the rest waits in ZMQ's queue (up to ``RCVHWM``). An error
-        raised in a poll (a bug: no input is known to cause one) keeps what the poll had taken
-        for the next, since the streams' positions are already past it.
+        First come the clears of suspended streams whose clear token is back, the repairs that
+        are due, then what the replays that came in complete. Then it reads the ready sources
+        round-robin (see the module's "limits"): at most ``source_budget`` messages from one
+        source and ``poll_budget`` in all; the rest waits in ZMQ's queue (up to ``RCVHWM``).
+        An error raised in a poll (a bug: no input is known to cause one) keeps what the poll
+        had taken for the next, since the streams' positions are already past it.
         """
         self._polled_at = time.monotonic()
         out, self._taken = self._taken, []
@@ -304,6 +303,7 @@ class Subscriber(ClosedOnExit):
         for stream in self._starting:
             replays.run(stream, self.replay_client.recover(stream, 0, None), out)
         self._starting = []
+        replays.repair(self._streams.values(), out)
         events = self._poller.poll(replays.wait_ms(timeout_ms))
         self.wakeup.woken(events)
         for socket, _ in events:

@@ -1,0 +1,177 @@
+"""Repairs over real sockets on 127.0.0.1: a loss whose replay went unanswered is delivered
+again once the engine's replay answers with it (``kvbridge/adapters/repairs.py``).
+
+A :class:`Publisher` stands in for a vLLM engine whose replay socket is bound but not served
+at first (a busy or slow engine): the relay's replay from 0 times out, and the first batches
+are lost. Its replay thread then starts, and the relay's next poll past the back-off repairs
+the stream. The index is compared with the lossless one built from the same payloads without
+a socket (``tests/support/reference.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from copy import deepcopy
+from typing import NamedTuple
+
+import structlog
+import zmq
+from support.polling import TIMEOUT, shape, wait_until
+from support.reference import dump_rows, index_of, overlaps
+
+from kvbridge import TieredIndex
+from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.relay import Relay
+from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import SubscriberStats
+from kvbridge.testing.workload import seeded_stream
+
+BS = 4
+TIMEOUT_S = 1.0
+"""The relay's replay timeout, and so its first back-off: longer than publishing the stream
+takes, so that no repair is asked for before the engine serves its replays."""
+UNSENT = 6
+"""Batches published before the relay's first message, which its replay from 0 must fetch."""
+
+
+class Rig(NamedTuple):
+    publisher: Publisher
+    source: Source
+    relay: Relay
+    index: TieredIndex
+    seen: list[Message | StreamReset]
+
+
+@contextmanager
+def engine_without_replays(ctx: zmq.Context[zmq.Socket[bytes]], buffer_steps: int) -> Iterator[Rig]:
+    """An engine whose replay socket is bound and not served yet, and a relay with an index
+    consuming it (replay timeout :data:`TIMEOUT_S`), once the engine sees the subscription."""
+    publisher = Publisher(
+        "tcp://127.0.0.1:0",
+        bind=True,
+        replay_endpoint="tcp://127.0.0.1:0",
+        buffer_steps=buffer_steps,
+        context=ctx,
+    )
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    source = Source(f"tcp://*:{port}", publisher.replay_endpoint, 1)
+    index = TieredIndex(BS)
+    with (
+        publisher,
+        Relay([source], block_size=BS, index=index, context=ctx, replay_timeout=TIMEOUT_S) as relay,
+    ):
+        seen: list[Message | StreamReset] = []
+        poll = relay.subscriber.poll
+
+        def recording_poll(timeout_ms: int = 100) -> list[Message | StreamReset]:
+            items = poll(timeout_ms)
+            seen.extend(items)
+            return items
+
+        relay.subscriber.poll = recording_poll  # type: ignore[method-assign]
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        yield Rig(publisher, source, relay, index, seen)
+
+
+def publish_after_a_lost_start(rig: Rig, payloads: list[bytes]) -> None:
+    """The first :data:`UNSENT` payloads only into the engine's buffer, then the rest in lock
+    step: the relay's replay from 0 times out, and those batches are lost."""
+    for payload in payloads[:UNSENT]:
+        rig.publisher.publish(payload, send=False)
+    for seq in range(UNSENT, len(payloads)):
+        rig.publisher.publish(payloads[seq])
+        step_until(rig, lambda seq=seq: rig.relay.subscriber.last_seq(rig.source) == seq)
+
+
+def step_until(rig: Rig, done: object) -> None:
+    assert callable(done)
+    wait_until(done, lambda: rig.relay.step(20), lambda: rig.relay.subscriber.stats)
+
+
+def test_a_start_whose_replay_timed_out_is_repaired_once_the_engine_answers(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The relay starts while the engine's replay socket does not answer: the first batches
+    are lost, and the stores that chain on them are dropped (their parents are unknown), so
+    the index misses prompts the engine holds. Once the engine answers, past the back-off, the
+    stream is cleared and delivered again from 0: the index is the lossless one, and the
+    stream goes on from there without a duplicate or another clear."""
+    stream = seeded_stream(21, 40, block_size=BS)
+    payloads, held_back = stream.payloads[:-1], stream.payloads[-1]
+    reference = index_of(payloads, worker_id=1, block_size=BS)
+    with (
+        structlog.testing.capture_logs() as logs,
+        engine_without_replays(ctx, buffer_steps=10_000) as rig,
+    ):
+        publish_after_a_lost_start(rig, payloads)
+        before = deepcopy(rig.relay.subscriber.stats)
+        missing = dump_rows(rig.index) != dump_rows(reference)
+        dropped = dict(rig.relay.workers[1].normalizer.stats)
+        rig.publisher.start_replay_thread()
+        step_until(rig, lambda: rig.relay.subscriber.stats.repairs == 1)
+        repaired = deepcopy(rig.relay.subscriber.stats)
+        rows, found = dump_rows(rig.index), overlaps(rig.index, stream.prompts)
+        rig.publisher.publish(held_back)
+        last = len(payloads)
+        step_until(rig, lambda: rig.relay.subscriber.last_seq(rig.source) == last)
+        time.sleep(0.2)
+        rig.relay.step(20)  # nothing more is repaired
+        final = deepcopy(rig.relay.subscriber.stats)
+        after = dump_rows(rig.index)
+
+    live = len(payloads) - UNSENT
+    assert before == SubscriberStats(messages=live, replays=1, replay_timeouts=1, lost=UNSENT)
+    assert missing and dropped.get("orphan_parent", 0) > 0  # the loss did cost the index
+    assert shape(rig.seen) == [
+        ("lost", UNSENT),
+        *((seq, False) for seq in range(UNSENT, len(payloads))),
+        ("repair", 0),
+        *((seq, True) for seq in range(len(payloads))),
+        (len(payloads), False),
+    ]
+    assert repaired == SubscriberStats(
+        messages=live, replays=2, replay_timeouts=1, lost=UNSENT, replayed=len(payloads), repairs=1
+    )
+    assert final == SubscriberStats(
+        messages=live + 1,
+        replays=2,
+        replay_timeouts=1,
+        lost=UNSENT,
+        replayed=len(payloads),
+        repairs=1,
+    )
+    assert rows == dump_rows(reference)
+    assert found == overlaps(reference, stream.prompts) and sum(1 for o in found if o) > 5
+    assert after == dump_rows(index_of([*payloads, held_back], worker_id=1, block_size=BS))
+    repairs = [line for line in logs if line["event"] == "stream repaired"]
+    assert [(line["first"], line["last"]) for line in repairs] == [(0, len(payloads) - 1)]
+
+
+def test_a_loss_the_engine_no_longer_holds_is_not_repaired(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The engine answers at last, but its buffer no longer holds the first lost batch: nothing
+    is cleared, the repair is given up, and it is not asked for again."""
+    stream = seeded_stream(22, 20, block_size=BS)
+    payloads = stream.payloads
+    with (
+        structlog.testing.capture_logs() as logs,
+        engine_without_replays(ctx, buffer_steps=4) as rig,
+    ):
+        publish_after_a_lost_start(rig, payloads)
+        rows = dump_rows(rig.index)
+        rig.publisher.start_replay_thread()
+        step_until(rig, lambda: rig.relay.subscriber.stats.replays == 2)
+        time.sleep(2 * TIMEOUT_S)  # past the back-off: not asked again
+        rig.relay.step(20)
+        final = deepcopy(rig.relay.subscriber.stats)
+        after = dump_rows(rig.index)
+
+    live = len(payloads) - UNSENT
+    assert shape(rig.seen) == [("lost", UNSENT), *((seq, False) for seq in range(UNSENT, 20))]
+    assert final == SubscriberStats(messages=live, replays=2, replay_timeouts=1, lost=UNSENT)
+    assert after == rows
+    given_up = [line for line in logs if line["event"] == "loss not repairable"]
+    assert [(line["first"], line["last"]) for line in given_up] == [(0, 19)]
