@@ -11,24 +11,18 @@ a socket (``tests/support/reference.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from copy import deepcopy
-from typing import NamedTuple
 
 import structlog
 import zmq
-from support.polling import TIMEOUT, shape, wait_until
+from support.polling import shape, wait_until
 from support.reference import dump_rows, index_of, overlaps
+from support.relayed import BS, Relayed, deliver, relayed
 
-from kvbridge import TieredIndex
-from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_stats import SubscriberStats
 from kvbridge.testing.workload import seeded_stream
 
-BS = 4
 TIMEOUT_S = 1.0
 """The relay's replay timeout, and so its first back-off: longer than publishing the stream
 takes, so that no repair is asked for before the engine serves its replays."""
@@ -36,57 +30,18 @@ UNSENT = 6
 """Batches published before the relay's first message, which its replay from 0 must fetch."""
 
 
-class Rig(NamedTuple):
-    publisher: Publisher
-    source: Source
-    relay: Relay
-    index: TieredIndex
-    seen: list[Message | StreamReset]
-
-
-@contextmanager
-def engine_without_replays(ctx: zmq.Context[zmq.Socket[bytes]], buffer_steps: int) -> Iterator[Rig]:
-    """An engine whose replay socket is bound and not served yet, and a relay with an index
-    consuming it (replay timeout :data:`TIMEOUT_S`), once the engine sees the subscription."""
-    publisher = Publisher(
-        "tcp://127.0.0.1:0",
-        bind=True,
-        replay_endpoint="tcp://127.0.0.1:0",
-        buffer_steps=buffer_steps,
-        context=ctx,
-    )
-    port = publisher.endpoint.rsplit(":", 1)[1]
-    source = Source(f"tcp://*:{port}", publisher.replay_endpoint, 1)
-    index = TieredIndex(BS)
-    with (
-        publisher,
-        Relay([source], block_size=BS, index=index, context=ctx, replay_timeout=TIMEOUT_S) as relay,
-    ):
-        seen: list[Message | StreamReset] = []
-        poll = relay.subscriber.poll
-
-        def recording_poll(timeout_ms: int = 100) -> list[Message | StreamReset]:
-            items = poll(timeout_ms)
-            seen.extend(items)
-            return items
-
-        relay.subscriber.poll = recording_poll  # type: ignore[method-assign]
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        yield Rig(publisher, source, relay, index, seen)
-
-
-def publish_after_a_lost_start(rig: Rig, payloads: list[bytes]) -> None:
+def publish_after_a_lost_start(rig: Relayed, payloads: list[bytes]) -> None:
     """The first :data:`UNSENT` payloads only into the engine's buffer, then the rest in lock
     step: the relay's replay from 0 times out, and those batches are lost."""
     for payload in payloads[:UNSENT]:
         rig.publisher.publish(payload, send=False)
     for seq in range(UNSENT, len(payloads)):
         rig.publisher.publish(payloads[seq])
-        step_until(rig, lambda seq=seq: rig.relay.subscriber.last_seq(rig.source) == seq)
+        deliver(rig.relay, rig.source, seq)
 
 
-def step_until(rig: Rig, done: object) -> None:
-    assert callable(done)
+def step_until(rig: Relayed, done: Callable[[], bool]) -> None:
+    """Step the relay until ``done()``."""
     wait_until(done, lambda: rig.relay.step(20), lambda: rig.relay.subscriber.stats)
 
 
@@ -103,7 +58,7 @@ def test_a_start_whose_replay_timed_out_is_repaired_once_the_engine_answers(
     reference = index_of(payloads, worker_id=1, block_size=BS)
     with (
         structlog.testing.capture_logs() as logs,
-        engine_without_replays(ctx, buffer_steps=10_000) as rig,
+        relayed(ctx, serve=False, replay_timeout=TIMEOUT_S) as rig,
     ):
         publish_after_a_lost_start(rig, payloads)
         before = deepcopy(rig.relay.subscriber.stats)
@@ -114,8 +69,7 @@ def test_a_start_whose_replay_timed_out_is_repaired_once_the_engine_answers(
         repaired = deepcopy(rig.relay.subscriber.stats)
         rows, found = dump_rows(rig.index), overlaps(rig.index, stream.prompts)
         rig.publisher.publish(held_back)
-        last = len(payloads)
-        step_until(rig, lambda: rig.relay.subscriber.last_seq(rig.source) == last)
+        deliver(rig.relay, rig.source, len(payloads))
         time.sleep(0.2)
         rig.relay.step(20)  # nothing more is repaired
         final = deepcopy(rig.relay.subscriber.stats)
@@ -158,7 +112,7 @@ def test_a_loss_the_engine_no_longer_holds_is_not_repaired(
     payloads = stream.payloads
     with (
         structlog.testing.capture_logs() as logs,
-        engine_without_replays(ctx, buffer_steps=4) as rig,
+        relayed(ctx, serve=False, buffer_steps=4, replay_timeout=TIMEOUT_S) as rig,
     ):
         publish_after_a_lost_start(rig, payloads)
         rows = dump_rows(rig.index)

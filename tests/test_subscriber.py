@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from copy import deepcopy
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import structlog
@@ -42,6 +42,15 @@ from support.polling import (
 from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import dump_rows, index_of, overlaps
 from support.relay_faults import fault
+from support.relayed import (
+    BS,
+    LOCAL,
+    deliver,
+    engine_publisher,
+    port_of,
+    relayed,
+    spy,
+)
 
 from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
@@ -53,7 +62,6 @@ from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
 from kvbridge.adapters.subscriber import (
-    DEFAULT_CLEAR_INTERVAL_S,
     DEFAULT_MAX_GAP,
     MAX_FRAME_BYTES,
     Subscriber,
@@ -64,94 +72,7 @@ from kvbridge.testing.events import TS0, encoded, removed, stored
 from kvbridge.testing.vllm_hashes import block_hashes
 from kvbridge.testing.workload import seeded_stream
 
-BS = 4
-LOCAL = "tcp://127.0.0.1:0"
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def port_of(endpoint: str) -> int:
-    return int(endpoint.rsplit(":", 1)[1])
-
-
-def engine_publisher(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    *,
-    replay: bool = True,
-    buffer_steps: int = 10_000,
-    replay_topic_frame: bool = True,
-) -> tuple[Publisher, Source]:
-    """A publisher bound on 127.0.0.1 (replay thread running), and the Source vLLM's config
-    would give for it: ``tcp://*:P``, so the subscriber connects."""
-    publisher = Publisher(
-        LOCAL,
-        bind=True,
-        replay_endpoint=LOCAL if replay else None,
-        buffer_steps=buffer_steps,
-        replay_topic_frame=replay_topic_frame,
-        context=ctx,
-    )
-    if replay:
-        publisher.start_replay_thread()
-    source = Source(f"tcp://*:{port_of(publisher.endpoint)}", publisher.replay_endpoint, 1)
-    return publisher, source
-
-
-def spy(subscriber: Subscriber) -> list[Message | StreamReset]:
-    """Record everything ``subscriber.poll`` hands out, in order."""
-    seen: list[Message | StreamReset] = []
-    poll = subscriber.poll
-
-    def recording_poll(timeout_ms: int = 100) -> list[Message | StreamReset]:
-        items = poll(timeout_ms)
-        seen.extend(items)
-        return items
-
-    subscriber.poll = recording_poll  # type: ignore[method-assign]
-    return seen
-
-
-class Relayed(NamedTuple):
-    """What :func:`relayed` sets up."""
-
-    publisher: Publisher
-    source: Source
-    relay: Relay
-    index: TieredIndex
-    seen: list[Message | StreamReset]
-    """Everything the relay's subscriber handed out (:func:`spy`)."""
-
-
-@contextmanager
-def relayed(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    *,
-    clear_interval: float = DEFAULT_CLEAR_INTERVAL_S,
-    **options: Any,
-) -> Iterator[Relayed]:
-    """An engine publisher (:func:`engine_publisher` with ``options``) and a relay with an
-    in-process index consuming it, once the publisher sees the subscription; closed on exit."""
-    publisher, source = engine_publisher(ctx, **options)
-    index = TieredIndex(BS)
-    with (
-        publisher,
-        Relay(
-            [source], block_size=BS, index=index, context=ctx, clear_interval=clear_interval
-        ) as relay,
-    ):
-        seen = spy(relay.subscriber)
-        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
-        yield Relayed(publisher, source, relay, index, seen)
-
-
-def deliver(relay: Relay, source: Source, seq: int) -> None:
-    """Step the relay until it has seen ``seq`` from ``source``."""
-    wait_until(
-        lambda: relay.subscriber.last_seq(source) == seq,
-        lambda: relay.step(20),
-        lambda: f"seq {seq} never arrived",
-    )
 
 
 def runs_of(drops: set[int]) -> int:
