@@ -10,17 +10,30 @@ is dropped (``orphan_parent``) until the engine evicts and recomputes them.
 So the stream remembers where such a loss began
 (:attr:`~kvbridge.adapters.stream_state.StreamState.repair_from`). Once the back-off has
 passed and a clear is allowed (:meth:`~kvbridge.adapters.stream_state.StreamState.repair_due`),
-the subscriber asks the replay for every batch from there. If the answer holds them all, from
-that batch to the last one delivered, unbroken and the last the same bytes (so the same
-process), the stream is repaired: a ``"repair"`` clear, then those batches again, in order.
-Downstream that is the state of a stream that never lost them; nothing was invented, since a
-clear comes first. An answer that does not come again waits for the next back-off; one that
-comes without them ends the repair (the engine no longer holds them).
+the subscriber asks the replay for every batch from there. If the answer is whole and holds
+them all, from that batch to the last one delivered, unbroken and the last the same bytes (so
+the same process), the stream is repaired: a ``"repair"`` clear, those batches again, in order,
+then whatever the answer holds past the last (an idle engine's batches that the stream had not
+seen). Downstream that is what the engine's batches from the first lost one build: the chains
+stored in the lost batches are known again, and the stores that extend them are no longer
+dropped. (Blocks stored before the loss, which its clear took, come back as before: re-anchored
+by the stores that extend them.) Nothing is invented, since the clear comes first.
+
+An answer that does not come again waits for the next back-off, until the back-off reaches its
+cap (a dead replay endpoint is not asked forever, holding up its source a timeout each time);
+one that comes without the batches ends the repair (the engine no longer holds them).
 """
 
 from __future__ import annotations
 
-from kvbridge.adapters.replay_client import Fetch, ReplayClient, Replaying, run_before
+from kvbridge._backoff import doubling_backoff_s
+from kvbridge.adapters.replay_client import (
+    REPLAY_BACKOFF_MAX_S,
+    Fetch,
+    ReplayClient,
+    Replaying,
+    run_before,
+)
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
@@ -28,25 +41,32 @@ __all__ = ["repair"]
 
 
 def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
-    """The repair of ``stream`` (whose :meth:`~StreamState.repair_due` holds): a clear and the
-    batches from :attr:`~StreamState.repair_from` to the last delivered, or nothing."""
+    """The repair of ``stream`` (whose :meth:`~StreamState.repair_due` holds): a clear, the
+    batches from :attr:`~StreamState.repair_from` to the last delivered and the answer's batches
+    after it; or nothing."""
     first, last = stream.repair_from, stream.last
     assert first is not None and last is not None
     answer = yield Fetch(stream, first)
     run = run_before(first, last + 1, answer)
-    complete = bool(run) and run[0].seq == first and run[-1].payload == stream.last_payload
+    complete = answer.whole and bool(run) and run[0].seq == first
+    complete = complete and run[-1].payload == stream.last_payload
     endpoint = stream.source.endpoint
-    if not complete and stream.replay_failures:
-        return []  # unanswered again: after the next back-off
+    if not complete and stream.replay_failures:  # unanswered again
+        backoff = doubling_backoff_s(client.timeout, stream.replay_failures, REPLAY_BACKOFF_MAX_S)
+        if backoff < REPLAY_BACKOFF_MAX_S:
+            return []  # after the back-off
     if not complete:
         stream.repair_from = None
-        client.warn("loss not repairable", (endpoint,), stream=endpoint, first=first, last=last)
+        reason = "unanswered" if stream.replay_failures else "not held"
+        client.warn(
+            "loss not repairable", (endpoint,), stream=endpoint, first=first, last=last, why=reason
+        )
         return []
     if stream.last != last or not stream.may_clear():
         return []  # the stream moved meanwhile, or spent its clears: later
     stream.repair_from = None
     client.stats.repairs += 1
-    client.stats.replayed += len(run)
     stream.replayed_through = max(stream.replayed_through, last)
     client.warn("stream repaired", (endpoint,), stream=endpoint, first=first, last=last)
-    return [stream.reset("repair"), *run]
+    out: list[Message | StreamReset] = [stream.reset("repair"), *run]
+    return out + (yield from client.recover(stream, last + 1, None, answer))

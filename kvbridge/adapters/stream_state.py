@@ -114,8 +114,8 @@ class StreamState:
         """The first batch of a loss whose replay went unanswered (it timed out, was skipped
         within a back-off, or could not be sent), while the engine may still hold it: once
         the back-off has passed, the stream is repaired from there (see
-        :meth:`~kvbridge.adapters.replay_client.ReplayClient.repair`). ``None`` when nothing
-        is to be repaired, or the loss is for good (an answer without the batches)."""
+        :mod:`~kvbridge.adapters.repairs`). ``None`` when nothing is to be repaired, or the
+        loss is for good (an answer without the batches, a new process)."""
         self.replay_resumes_at = 0.0
         """Until then (``time.monotonic()``), after a timeout, no replay is asked for: see
         :meth:`ReplayClient.begin <kvbridge.adapters.replay_client.ReplayClient.begin>`."""
