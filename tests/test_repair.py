@@ -16,11 +16,13 @@ from copy import deepcopy
 
 import structlog
 import zmq
-from support.polling import shape, wait_until
+from support.polling import TIMEOUT, receive, shape, wait_until
 from support.reference import dump_rows, index_of, overlaps
-from support.relayed import BS, Relayed, deliver, relayed
+from support.relayed import BS, Relayed, deliver, engine_publisher, relayed
 
+from kvbridge.adapters.repairs import REPAIR_TRIES
 from kvbridge.adapters.stream_stats import SubscriberStats
+from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.testing.workload import seeded_stream
 
 TIMEOUT_S = 1.0
@@ -131,3 +133,38 @@ def test_a_loss_the_engine_no_longer_holds_is_not_repaired(
     assert after == rows
     given_up = [line for line in logs if line["event"] == "loss not repairable"]
     assert [(line["first"], line["last"]) for line in given_up] == [(0, 19)]
+
+
+def test_a_repair_that_goes_unanswered_is_given_up_after_its_tries(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """An engine whose replay socket never answers: the repair of its lost start is tried once
+    per back-off (each try a timeout that doubles the back-off), :data:`REPAIR_TRIES` times,
+    then given up; the source is not asked again, and nothing is cleared."""
+    payloads = seeded_stream(23, 4, block_size=BS).payloads
+    publisher, source = engine_publisher(ctx, serve=False)
+    timeout = 0.05
+    with (
+        structlog.testing.capture_logs() as logs,
+        publisher,
+        Subscriber([source], context=ctx, replay_timeout=timeout) as subscriber,
+    ):
+        assert publisher.wait_for_subscribers(timeout=TIMEOUT)
+        for payload in payloads[:3]:
+            publisher.publish(payload, send=False)
+        publisher.publish(payloads[3])
+        items = receive(subscriber, 1)
+        stats = subscriber.stats
+        tries = sum(timeout * 2**n for n in range(REPAIR_TRIES + 1))  # back-offs and timeouts
+        deadline = time.monotonic() + 2 * tries
+        while time.monotonic() < deadline:
+            items += subscriber.poll(20)
+        final = deepcopy(stats)
+
+    assert shape(items) == [("lost", 3), (3, False)]
+    attempts = 1 + REPAIR_TRIES  # the start's replay, then the repair's tries
+    assert final == SubscriberStats(messages=1, replays=attempts, replay_timeouts=attempts, lost=3)
+    given_up = [line for line in logs if line["event"] == "loss not repairable"]
+    assert [(line["first"], line["last"], line["why"]) for line in given_up] == [
+        (0, 3, "unanswered")
+    ]

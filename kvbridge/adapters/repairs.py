@@ -19,25 +19,25 @@ stored in the lost batches are known again, and the stores that extend them are 
 dropped. (Blocks stored before the loss, which its clear took, come back as before: re-anchored
 by the stores that extend them.) Nothing is invented, since the clear comes first.
 
-An answer that does not come again waits for the next back-off, until the back-off reaches its
-cap (a dead replay endpoint is not asked forever, holding up its source a timeout each time);
-one that comes without the batches ends the repair (the engine no longer holds them).
+An answer that does not come again waits for the next back-off, for at most
+:data:`REPAIR_TRIES` tries (a dead replay endpoint is not asked forever, holding up its source
+a timeout each time); one that comes without the batches ends the repair (the engine no longer
+holds them).
 """
 
 from __future__ import annotations
 
-from kvbridge._backoff import doubling_backoff_s
-from kvbridge.adapters.replay_client import (
-    REPLAY_BACKOFF_MAX_S,
-    Fetch,
-    ReplayClient,
-    Replaying,
-    run_before,
-)
+from typing import Final
+
+from kvbridge.adapters.replay_client import Fetch, ReplayClient, Replaying, run_before
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
-__all__ = ["repair"]
+__all__ = ["REPAIR_TRIES", "repair"]
+
+REPAIR_TRIES: Final = 6
+"""Tries of a repair that go unanswered before it is given up: with the default replay
+timeout of 2 s, the back-offs between them span about two minutes."""
 
 
 def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
@@ -52,8 +52,8 @@ def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message 
     complete = complete and run[-1].payload == stream.last_payload
     endpoint = stream.source.endpoint
     if not complete and stream.replay_failures:  # unanswered again
-        backoff = doubling_backoff_s(client.timeout, stream.replay_failures, REPLAY_BACKOFF_MAX_S)
-        if backoff < REPLAY_BACKOFF_MAX_S:
+        stream.repair_tries += 1
+        if stream.repair_tries < REPAIR_TRIES:
             return []  # after the back-off
     if not complete:
         stream.repair_from = None

@@ -43,6 +43,7 @@ class StreamState:
         "monitor",
         "reconnected",
         "repair_from",
+        "repair_tries",
         "replay_failures",
         "replay_resumes_at",
         "replayed_through",
@@ -116,6 +117,8 @@ class StreamState:
         the back-off has passed, the stream is repaired from there (see
         :mod:`~kvbridge.adapters.repairs`). ``None`` when nothing is to be repaired, or the
         loss is for good (an answer without the batches, a new process)."""
+        self.repair_tries = 0
+        """Repairs of the loss at :attr:`repair_from` that went unanswered."""
         self.replay_resumes_at = 0.0
         """Until then (``time.monotonic()``), after a timeout, no replay is asked for: see
         :meth:`ReplayClient.begin <kvbridge.adapters.replay_client.ReplayClient.begin>`."""
@@ -156,7 +159,9 @@ class StreamState:
         to be repaired later (:attr:`repair_from`); if it answered without them, they are
         lost for good, and so is any repair from before them."""
         if self.replay_failures and self.source.replay_endpoint:
-            self.repair_from = first if self.repair_from is None else min(first, self.repair_from)
+            if self.repair_from is None:
+                self.repair_from, self.repair_tries = first, 0
+            self.repair_from = min(first, self.repair_from)
         else:
             self.repair_from = None
         end = first + count
