@@ -16,11 +16,14 @@ from copy import deepcopy
 
 import structlog
 import zmq
-from support.polling import TIMEOUT, receive, shape, wait_until
+from support.polling import TIMEOUT, poll_until, receive, shape, wait_until
+from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import dump_rows, index_of, overlaps
 from support.relayed import BS, Relayed, deliver, engine_publisher, relayed
 
+from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.repairs import REPAIR_TRIES
+from kvbridge.adapters.source import Message, Source
 from kvbridge.adapters.stream_stats import SubscriberStats
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.testing.workload import seeded_stream
@@ -168,3 +171,55 @@ def test_a_repair_that_goes_unanswered_is_given_up_after_its_tries(
     assert [(line["first"], line["last"], line["why"]) for line in given_up] == [
         (0, 3, "unanswered")
     ]
+
+
+def test_a_new_process_found_as_a_suspended_stream_starts_over_is_not_repaired(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """An engine whose replay never answers loses batches 1-2 (a repair from 1 waits), then
+    4-5, which find no clear token: the stream is suspended. The engine is replaced by a new
+    process, found as the stream starts over: its batches are replayed from 0, and the old
+    process's repair is dropped, since a repair from 1 would clear the new one's batch 0."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    first = engine_on(ctx, base, serve=False)()
+    with Subscriber(
+        [source], context=ctx, clear_burst=1, clear_interval=2.0, replay_timeout=0.2
+    ) as subscriber:
+        stats = subscriber.stats
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        first.publish(b"old 0")
+        items = receive(subscriber, 1)
+        for lost_from in (1, 4):  # two losses: the first spends the one clear token
+            for seq in range(lost_from, lost_from + 2):
+                first.publish(b"old %d" % seq, send=False)
+            first.publish(b"old %d" % (lost_from + 2))
+            if lost_from == 1:
+                items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 3)
+        items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        first.close()
+        listener_gone(base)
+        items += poll_until(subscriber, lambda: stats.disconnects)
+        with bound_again(engine_on(ctx, base)) as second:
+            for seq in range(10):
+                second.publish(b"new %d" % seq, send=False)
+            assert second.wait_for_subscribers(timeout=TIMEOUT)
+            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+            second.publish(b"new 10")
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 10)
+            deadline = time.monotonic() + 2.5  # past the back-off and a new token: no repair
+            while time.monotonic() < deadline:
+                items += subscriber.poll(20)
+        final = deepcopy(stats)
+
+    assert shape(items) == [
+        (0, False),
+        ("lost", 2),
+        (3, False),
+        ("lost", 0),
+        *((seq, True) for seq in range(10)),
+        (10, False),
+    ]
+    replayed = [item.payload for item in items if isinstance(item, Message) and item.replayed]
+    assert replayed == [b"new %d" % seq for seq in range(10)]
+    assert final.repairs == 0
