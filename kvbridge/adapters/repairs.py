@@ -62,11 +62,10 @@ def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message 
             "loss not repairable", (endpoint,), stream=endpoint, first=first, last=last, why=reason
         )
         return []
-    if stream.last != last or not stream.may_clear():
-        return []  # the stream moved meanwhile, or spent its clears: later
+    if not stream.may_clear():  # as every reset's caller checks (repair_due did)
+        return []
     stream.repair_from = None
     client.stats.repairs += 1
-    stream.replayed_through = max(stream.replayed_through, last)
     client.warn("stream repaired", (endpoint,), stream=endpoint, first=first, last=last)
     out: list[Message | StreamReset] = [stream.reset("repair"), *run]
     return out + (yield from client.recover(stream, last + 1, None, answer))

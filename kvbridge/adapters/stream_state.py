@@ -118,7 +118,8 @@ class StreamState:
         :mod:`~kvbridge.adapters.repairs`). ``None`` when nothing is to be repaired, or the
         loss is for good (an answer without the batches, a new process)."""
         self.repair_tries = 0
-        """Repairs of the loss at :attr:`repair_from` that went unanswered."""
+        """Repairs from :attr:`repair_from` that went unanswered. A later loss that the same
+        repair covers adds no tries: the endpoint is the same."""
         self.replay_resumes_at = 0.0
         """Until then (``time.monotonic()``), after a timeout, no replay is asked for: see
         :meth:`ReplayClient.begin <kvbridge.adapters.replay_client.ReplayClient.begin>`."""
