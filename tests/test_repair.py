@@ -16,7 +16,7 @@ from copy import deepcopy
 
 import structlog
 import zmq
-from support.polling import TIMEOUT, poll_until, receive, shape, wait_until
+from support.polling import TIMEOUT, poll_for, poll_until, receive, shape, wait_until
 from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import dump_rows, index_of, overlaps
 from support.relayed import BS, Relayed, deliver, engine_publisher, relayed
@@ -159,9 +159,7 @@ def test_a_repair_that_goes_unanswered_is_given_up_after_its_tries(
         items = receive(subscriber, 1)
         stats = subscriber.stats
         tries = sum(timeout * 2**n for n in range(REPAIR_TRIES + 1))  # back-offs and timeouts
-        deadline = time.monotonic() + 2 * tries
-        while time.monotonic() < deadline:
-            items += subscriber.poll(20)
+        items += poll_for(subscriber, 2 * tries)
         final = deepcopy(stats)
 
     assert shape(items) == [("lost", 3), (3, False)]
@@ -207,9 +205,7 @@ def test_a_new_process_found_as_a_suspended_stream_starts_over_is_not_repaired(
             items += poll_until(subscriber, lambda: not subscriber.suspended(source))
             second.publish(b"new 10")
             items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 10)
-            deadline = time.monotonic() + 2.5  # past the back-off and a new token: no repair
-            while time.monotonic() < deadline:
-                items += subscriber.poll(20)
+            items += poll_for(subscriber, 2.5)  # past the back-off and a new token: no repair
         final = deepcopy(stats)
 
     assert shape(items) == [

@@ -68,7 +68,7 @@ class ReplaysInFlight:
         """Start the repair of each of ``streams`` that is due one and waits for no replay
         (:mod:`~kvbridge.adapters.repairs`), its items onto ``out``."""
         for stream in streams:
-            if not self.waiting(stream) and stream.repair_due():
+            if stream.repair_due() and not self.waiting(stream):
                 self.run(stream, repair(self.client, stream), out)
 
     def wait_ms(self, timeout_ms: int) -> int:

@@ -134,9 +134,8 @@ class Sequencer:
             same, answer = yield from self.replay.check_publisher(stream, stream.last)
         if same is False:  # a new process: its batches from 0, its replay endpoint afresh
             self._replaced_after_clear(stream, seq)
-            resume, answer, stream.unconfirmed_last = 0, None, None
-            stream.repair_from = None  # the old process's loss
-            stream.end_replay_back_off()
+            resume, answer = 0, None
+            stream.forget_process()
         # Past max_gap, what was skipped is a jump's, not a loss; after an unconfirmed clear
         # that is measured from the batches that count (StreamState.counts_lost_from).
         if (
@@ -267,9 +266,8 @@ class Sequencer:
                 if stream.starting_over and not stream.suspended_by_restart:
                     self._replaced_after_clear(stream, seq)
                 stream.suspended_for, stream.resume_from = "restart", 0
-                stream.suspension_checked, stream.unconfirmed_last = True, None
-                stream.repair_from = None
-                stream.end_replay_back_off()
+                stream.suspension_checked = True
+                stream.forget_process()
             if stream.starting_over:  # cleared when its token came back
                 return (yield from self._start_over(stream, frames, seq, out))
             return (yield from self._resync(stream, frames, seq, out, stream.suspended_for))

@@ -159,12 +159,12 @@ class StreamState:
         that should have delivered them went unanswered (:attr:`replay_failures`), they are
         to be repaired later (:attr:`repair_from`); if it answered without them, they are
         lost for good, and so is any repair from before them."""
-        if self.replay_failures and self.source.replay_endpoint:
-            if self.repair_from is None:
-                self.repair_from, self.repair_tries = first, 0
-            self.repair_from = min(first, self.repair_from)
-        else:
+        if not self.replay_failures:
             self.repair_from = None
+        elif self.repair_from is None:
+            self.repair_from, self.repair_tries = first, 0
+        else:
+            self.repair_from = min(first, self.repair_from)
         end = first + count
         first = self.counts_lost_from(first)
         counted = max(0, end - first)
@@ -276,6 +276,13 @@ class StreamState:
             and time.monotonic() >= self.replay_resumes_at
             and self.may_clear()
         )
+
+    def forget_process(self) -> None:
+        """The publisher is a new process: what was kept of the old one's stream (a clear it
+        could not confirm, a loss to repair, its replay endpoint's back-off) means nothing."""
+        self.unconfirmed_last = None
+        self.repair_from = None
+        self.end_replay_back_off()
 
     def end_replay_back_off(self) -> None:
         """Ask this source's replay endpoint again from now on: its publisher dropped or was
