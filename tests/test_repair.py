@@ -110,6 +110,34 @@ def test_a_start_whose_replay_timed_out_is_repaired_once_the_engine_answers(
     assert [(line["first"], line["last"]) for line in repairs] == [(0, unseen - 1)]
 
 
+def test_a_long_poll_ends_when_a_repair_is_due(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A repair waits for the replay back-off and a clear token, not for a message: a
+    subscriber polled a minute at a time over an idle engine (a relay's heartbeats would cut
+    its polls short) starts it when the back-off ends, and has it done well within the
+    minute."""
+    payloads = seeded_stream(23, 12, block_size=BS).payloads
+    with relayed(ctx, serve=False, replay_timeout=TIMEOUT_S) as rig:
+        publish_after_a_lost_start(rig, payloads)
+        rig.publisher.start_replay_thread()
+        started = time.monotonic()
+        while rig.relay.subscriber.stats.repairs == 0 and time.monotonic() - started < 20:
+            rig.relay.subscriber.poll(60_000)  # ends early on other events too: polled again
+        took = time.monotonic() - started
+        stats = deepcopy(rig.relay.subscriber.stats)
+    assert took < 10.0
+    assert stats == SubscriberStats(
+        messages=len(payloads) - UNSENT,
+        replays=2,
+        replay_timeouts=1,
+        lost=UNSENT,
+        repairs=1,
+    )
+    assert shape(rig.seen)[-len(payloads) - 1 :] == [
+        ("repair", 0),
+        *((seq, True) for seq in range(len(payloads))),
+    ]
+
+
 def test_a_loss_the_engine_no_longer_holds_is_not_repaired(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

@@ -1299,6 +1299,33 @@ def test_a_message_that_finds_the_token_back_starts_over_as_its_suspension_was(
     )
 
 
+def test_a_long_poll_ends_when_a_suspended_stream_may_be_released(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A poll waits no longer than the next timer of a stream: a suspension is released when
+    its clear token is back (0.3 s after the loss that found none), not when a minute-long
+    poll of a quiet source ends. The poll that finds the token back ends the wait; the next
+    one sends the clear."""
+    interval = 0.3
+    source = Source(f"tcp://127.0.0.1:{free_port_range(1)}", None, 1)
+    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=interval) as subscriber:
+        items = []
+        for sent in (0, 2, 5):  # a loss (one token), then one that finds none
+            items += sequenced(subscriber, source, sent)
+        suspended_at = time.monotonic()
+        assert subscriber.suspended(source)
+        assert subscriber.poll(60_000) == []
+        waited = time.monotonic() - suspended_at
+        items += subscriber.poll(0)
+        assert not subscriber.suspended(source)
+        stats = deepcopy(subscriber.stats)
+    assert interval - 0.05 <= waited < 5.0
+    assert shape(items) == [(0, False), ("lost", 1), (2, False), ("lost", 0)]
+    assert stats == SubscriberStats(
+        messages=3, gaps=2, lost=1, resyncs=1, bad_frames=Counter({BadFrame.THROTTLED: 1})
+    )
+
+
 def test_a_new_process_found_after_a_throttled_loss_clear_is_logged_not_counted_twice(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

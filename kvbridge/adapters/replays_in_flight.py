@@ -71,12 +71,20 @@ class ReplaysInFlight:
             if stream.repair_due() and not self.waiting(stream):
                 self.run(stream, repair(self.client, stream), out)
 
-    def wait_ms(self, timeout_ms: int) -> int:
-        """``timeout_ms`` (negative: no bound), or less: until the first answer's deadline."""
-        if not self._answers:
+    def wait_ms(self, timeout_ms: int, streams: Iterable[StreamState]) -> int:
+        """``timeout_ms`` (negative: no bound), or less: until the first answer's deadline, or
+        the first time one of ``streams`` has something to do (:meth:`StreamState.due_at`;
+        a repair waits for no time while the stream waits for a replay)."""
+        deadlines = [answer.deadline for answer in self._answers.values()]
+        deadlines += [
+            due
+            for stream in streams
+            if (stream.suspended or not self.waiting(stream))
+            and (due := stream.due_at()) is not None
+        ]
+        if not deadlines:
             return timeout_ms
-        first = min(answer.deadline for answer in self._answers.values())
-        until = max(0, math.ceil((first - time.monotonic()) * 1000))
+        until = max(0, math.ceil((min(deadlines) - time.monotonic()) * 1000))
         return until if timeout_ms < 0 else min(timeout_ms, until)
 
     def read(self, ready: set[zmq.Socket[bytes]], out: list[Message | StreamReset]) -> None:

@@ -193,6 +193,24 @@ class StreamState:
         self.tokens_at = now
         return self.tokens >= 1
 
+    def clear_allowed_at(self) -> float:
+        """When (``time.monotonic()``) a token is there for a clear: now or earlier if one is
+        there already, else when the bucket's refill brings the next one."""
+        if self.tokens >= 1 or self.clear_interval <= 0:
+            return self.tokens_at
+        return self.tokens_at + (1 - self.tokens) * self.clear_interval
+
+    def due_at(self) -> float | None:
+        """When (``time.monotonic()``) this stream has something to do without a message: a
+        suspension to release (:meth:`release`), or a repair to start (:meth:`repair_due`), if
+        it waits for no replay. ``None`` if neither waits for time alone. The subscriber's poll
+        waits no longer than this, so that a long poll does not make either late."""
+        if self.suspended:
+            return self.clear_allowed_at()
+        if self.repair_from is not None and self.last is not None and not self.out_of_order:
+            return max(self.clear_allowed_at(), self.replay_resumes_at)
+        return None
+
     def reset(self, reason: ResetReason, lost: int = 0, *, checked: bool = True) -> StreamReset:
         """A reset of this stream, which takes a token; the caller has checked
         :meth:`may_clear` (``checked``: see :attr:`StreamReset.checked

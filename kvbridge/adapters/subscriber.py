@@ -274,8 +274,8 @@ class Subscriber(ClosedOnExit):
         stream.socket.close(0)
 
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
-        """What arrived within ``timeout_ms``, within the budget, in stream order per source.
-
+        """What arrived within ``timeout_ms`` (less if a stream's clear or repair falls due
+        sooner: the next poll sends it), within the budget, in stream order per source.
         First come the clears of suspended streams whose clear token is back, the repairs that
         are due, then what the replays that came in complete. Then it reads the ready sources
         round-robin (see the module's "limits"): at most ``source_budget`` messages from one
@@ -304,7 +304,7 @@ class Subscriber(ClosedOnExit):
             replays.run(stream, self.replay_client.recover(stream, 0, None), out)
         self._starting = []
         replays.repair(self._streams.values(), out)
-        events = self._poller.poll(replays.wait_ms(timeout_ms))
+        events = self._poller.poll(replays.wait_ms(timeout_ms, self._streams.values()))
         self.wakeup.woken(events)
         for socket, _ in events:
             monitored = self._monitors.get(socket)
