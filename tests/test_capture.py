@@ -22,6 +22,7 @@ import pytest
 import structlog
 import zmq
 from support.raw_capture import HEADER, raw_capture
+from support.reference import dump_rows, index_of
 from support.relay_process import start_kvbridge
 
 from kvbridge.adapters.capture import (
@@ -31,12 +32,17 @@ from kvbridge.adapters.capture import (
     CaptureWriteError,
     CaptureWriter,
     FrameRecord,
+    RecordedReset,
     capture_name,
     read_prompts,
 )
 from kvbridge.adapters.capture_replay import replay_streams
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
+from kvbridge.adapters.source import Source, StreamReset
+from kvbridge.adapters.tiered_index import TieredIndex
+from kvbridge.cli.validation import validate_captures
 from kvbridge.testing.workload import seeded_stream
 
 BS = 4
@@ -198,10 +204,10 @@ def test_undecodable_record_and_unknown_version(tmp_path: Path) -> None:
     with pytest.raises(CaptureError, match=re.escape(f"{garbage}: record 1: ")):
         list(reader)
 
-    header = msgspec.msgpack.encode({"format": "kvcap", "version": 2, "created_ns": 0})
+    header = msgspec.msgpack.encode({"format": "kvcap", "version": 3, "created_ns": 0})
     future = tmp_path / "future.kvcap"
     future.write_bytes(MAGIC + struct.pack(">I", len(header)) + header)
-    with pytest.raises(CaptureError, match=re.escape(f"{future}: unsupported capture version 2")):
+    with pytest.raises(CaptureError, match=re.escape(f"{future}: unsupported capture version 3")):
         CaptureReader(future)
     assert issubclass(CaptureError, ValueError)
 
@@ -231,9 +237,18 @@ def test_header_block_size(tmp_path: Path) -> None:
     ("record", "error"),
     [
         ([T0, "s", -1, [b""]], "Expected `int` >= 0 - at `$[2]`"),
-        ([T0, "s", 1, []], "Expected `array` of length >= 1 - at `$[3]`"),
+        ([T0, "s", 1, []], "a message has at least one frame"),
+        (
+            [T0, "s", 1, [b"f"], {"reason": "lost"}],
+            "a record has frames (a message) or a reset, not both",
+        ),
+        ([T0, "s", 1, [], {"reason": "gone"}], "Invalid enum value 'gone' - at `$[4].reason`"),
+        (
+            [T0, "s", 1, [], {"reason": "lost", "lost_batches": -1}],
+            "Expected `int` >= 0 - at `$[4].lost_batches`",
+        ),
     ],
-    ids=["negative worker id", "no frames"],
+    ids=["negative worker id", "no frames", "frames and a reset", "no reason", "negative loss"],
 )
 def test_a_record_no_message_could_make(tmp_path: Path, record: list[object], error: str) -> None:
     path = raw_capture(tmp_path / "x.kvcap", HEADER, [[T0, "s", 1, [b"f"]], record])
@@ -243,12 +258,48 @@ def test_a_record_no_message_could_make(tmp_path: Path, record: list[object], er
     assert str(raised.value) == f"{path}: record 1: {error}"
 
 
+def test_resets_are_kept_where_they_fell(tmp_path: Path) -> None:
+    """A reset record sits between the messages it came between, with its reason, its count
+    of lost batches and whether it was checked; the default fields are left out of the file,
+    and a reset record has no seq and no framing error."""
+    source = Source("tcp://127.0.0.1:5557", worker_id=3)
+    path = tmp_path / "resets.kvcap"
+    with CaptureWriter(path) as writer:
+        writer.write([b"", seq8(0), b"p"], stream=source.endpoint, worker_id=3, received_ns=T0)
+        writer.write_reset(StreamReset(source, "lost", 4, False), received_ns=T0 + 1)
+        writer.write_reset(StreamReset(source, "repair"), received_ns=T0 + 2)
+        assert (writer.count, writer.resets) == (1, 2)
+    records = list(CaptureReader(path))
+    lost = RecordedReset("lost", lost_batches=4, checked=False)
+    assert records[1:] == [
+        FrameRecord(T0 + 1, source.endpoint, 3, [], lost),
+        FrameRecord(T0 + 2, source.endpoint, 3, [], RecordedReset("repair")),
+    ]
+    assert [(record.seq, record.framing_error) for record in records] == [(0, None)] + [
+        (None, None)
+    ] * 2
+    assert records[1].stream_reset(source) == StreamReset(source, "lost", 4, False)
+    assert records[0].stream_reset(source) is None
+    data = path.read_bytes()
+    assert data.endswith(
+        msgspec.msgpack.encode([T0 + 2, source.endpoint, 3, [], {"reason": "repair"}])
+    )
+    assert msgspec.msgpack.encode({"format": "kvcap", "version": 2})[1:] in data
+
+
+def test_a_version_1_capture_is_read(tmp_path: Path) -> None:
+    """Captures written before reset records (version 1) read as before."""
+    record = [T0, "s", 1, [b"", seq8(5), b"p"]]
+    path = raw_capture(tmp_path / "old.kvcap", {**HEADER, "version": 1}, [record])
+    assert list(CaptureReader(path)) == [FrameRecord(T0, "s", 1, [b"", seq8(5), b"p"])]
+
+
 def test_headers_that_are_not_this_format(tmp_path: Path) -> None:
     other = raw_capture(tmp_path / "other.kvcap", {**HEADER, "format": "pcap"}, [])
     assert reading_error(other) == f"{other}: not a kvcap capture (its header's format is 'pcap')"
-    future = raw_capture(tmp_path / "future.kvcap", {**HEADER, "version": 2}, [])
+    future = raw_capture(tmp_path / "future.kvcap", {**HEADER, "version": 3}, [])
     assert reading_error(future) == (
-        f"{future}: unsupported capture version 2 (this kvbridge reads version 1)"
+        f"{future}: unsupported capture version 3 (this kvbridge reads versions 1, 2)"
     )
     magic_only = tmp_path / "magic.kvcap"
     magic_only.write_bytes(MAGIC)
@@ -339,7 +390,7 @@ def test_a_fifo_with_a_reader_is_written(tmp_path: Path) -> None:
     finally:
         os.close(reader)
     assert data.startswith(MAGIC)
-    assert data.endswith(msgspec.msgpack.encode(FrameRecord(T0, "s", 0, [b"p"])))
+    assert data.endswith(msgspec.msgpack.encode([T0, "s", 0, [b"p"]]))
 
 
 def test_the_end_marker_is_no_seq() -> None:
@@ -444,6 +495,37 @@ def test_bundled_sample() -> None:
 # --------------------------------------------------------------------------- the CLI
 
 
+def replayable_engine(ctx: zmq.Context[zmq.Socket[bytes]]) -> Publisher:
+    """An engine's publisher bound on 127.0.0.1, its replay thread serving."""
+    publisher = Publisher(
+        "tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0", context=ctx
+    )
+    publisher.start_replay_thread()
+    return publisher
+
+
+def record_engine(
+    publisher: Publisher, out: Path, count: int
+) -> tuple[str, str, subprocess.Popen[str]]:
+    """``kvbridge record`` of ``publisher``'s stream as worker 3 into ``out`` until ``count``
+    messages, once it has subscribed: its source and replay endpoints, and the process."""
+    endpoint = f"tcp://*:{publisher.endpoint.rsplit(':', 1)[1]}"
+    replay_endpoint = publisher.replay_endpoint
+    assert replay_endpoint is not None
+    recorder = kvbridge(
+        "record",
+        "--source", endpoint,
+        "--source-replay", replay_endpoint,
+        "--worker-id", "3",
+        "--out", str(out),
+        "--count", str(count),
+    )  # fmt: skip
+    if not publisher.wait_for_subscribers(timeout=TIMEOUT):
+        finish(recorder)
+        pytest.fail("the recorder never subscribed")
+    return endpoint, replay_endpoint, recorder
+
+
 def test_record_then_replay_byte_for_byte(
     tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
@@ -453,23 +535,9 @@ def test_record_then_replay_byte_for_byte(
     count = len(payloads)
     out = tmp_path / "rec.kvcap"
 
-    with Publisher(
-        "tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0", context=ctx
-    ) as publisher:
-        publisher.start_replay_thread()
-        endpoint = f"tcp://*:{publisher.endpoint.rsplit(':', 1)[1]}"
-        replay_endpoint = publisher.replay_endpoint
-        assert replay_endpoint is not None
-        recorder = kvbridge(
-            "record",
-            "--source", endpoint,
-            "--source-replay", replay_endpoint,
-            "--worker-id", "3",
-            "--out", str(out),
-            "--count", str(count),
-        )  # fmt: skip
+    with replayable_engine(ctx) as publisher:
+        endpoint, replay_endpoint, recorder = record_engine(publisher, out, count)
         try:
-            assert publisher.wait_for_subscribers(timeout=TIMEOUT)
             for seq, payload in enumerate(payloads):
                 assert publisher.publish(payload, send=seq != dropped) == seq
                 time.sleep(0.02)
@@ -510,6 +578,64 @@ def test_record_then_replay_byte_for_byte(
         stderr = finish(replayer)
     assert received == [record.frames for record in records] == sent
     assert f"messages={count}" in stderr
+
+
+def test_record_keeps_an_engine_restart_and_a_reader_clears_at_it(
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """An engine that restarts while recorded: the capture holds the first process's batches,
+    the ``restart`` reset where the recorder's subscriber found it, and the new process's
+    batches. Read back through a pipeline (as ``demo`` and ``validate`` read it), the index is
+    the new process's alone, as a relay's would be; ``validate`` counts the reset, and
+    ``replay`` publishes the messages and passes over the reset."""
+    before = seeded_stream(4, 3, block_size=BS).payloads
+    after = seeded_stream(5, 3, block_size=BS).payloads
+    out = tmp_path / "restart.kvcap"
+    with replayable_engine(ctx) as publisher:
+        _, _, recorder = record_engine(publisher, out, 6)
+        try:
+            for payloads in (before, after):
+                for payload in payloads:
+                    publisher.publish(payload)
+                    time.sleep(0.05)
+                publisher.restart()
+        finally:
+            stderr = finish(recorder)
+
+    records = list(CaptureReader(out))
+    assert [(r.seq, r.reset) for r in records] == [
+        (0, None), (1, None), (2, None), (None, RecordedReset("restart")),
+        (0, None), (1, None), (2, None),
+    ]  # fmt: skip
+    assert [r.frames[2] for r in records if r.reset is None] == before + after
+    assert logged(stderr, "recorded", "messages", "resets") == ["6", "1"]
+
+    index = TieredIndex(BS)
+    pipeline = StreamPipeline(BS, sinks=[IndexSink(index)])
+    for record in records:
+        pipeline.feed_record(record)
+    assert dump_rows(index) == dump_rows(index_of(after, worker_id=3, block_size=BS))
+    assert dump_rows(index) != dump_rows(index_of(before + after, worker_id=3, block_size=BS))
+
+    report = validate_captures([out], block_size=BS)
+    assert (report.valid, report.frames, report.resets) == (True, 6, 1)
+
+    port = free_port_range(1)
+    sub = subscriber(ctx, port)
+    replayer = kvbridge("replay", str(out), "--publish", f"tcp://*:{port}", "--pace", "max")
+    try:
+        received = [sub.recv_multipart()[2] for _ in range(6)]
+    finally:
+        stderr = finish(replayer)
+    assert received == before + after
+    assert logged(stderr, "replayed", "messages", "resets") == ["6", "1"]
+
+
+def logged(stderr: str, event: str, *keys: str) -> list[str]:
+    """The values of ``keys`` in the one log line of ``event``."""
+    (line,) = [line for line in stderr.splitlines() if f"] {event} " in line]
+    values = dict(re.findall(r" (\w+)=(\S+)", line))
+    return [values[key] for key in keys]
 
 
 def test_replay_keeps_the_original_pace(

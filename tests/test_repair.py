@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from copy import deepcopy
+from pathlib import Path
 
 import structlog
 import zmq
@@ -21,11 +22,14 @@ from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import dump_rows, index_of, overlaps
 from support.relayed import BS, Relayed, deliver, engine_publisher, relayed
 
+from kvbridge.adapters.capture import CaptureReader, CaptureWriter
+from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.repairs import REPAIR_TRIES
 from kvbridge.adapters.source import Message, Source
 from kvbridge.adapters.stream_stats import SubscriberStats
 from kvbridge.adapters.subscriber import Subscriber
+from kvbridge.adapters.tiered_index import TieredIndex
 from kvbridge.testing.workload import seeded_stream
 
 TIMEOUT_S = 1.0
@@ -136,6 +140,41 @@ def test_a_long_poll_ends_when_a_repair_is_due(ctx: zmq.Context[zmq.Socket[bytes
         ("repair", 0),
         *((seq, True) for seq in range(len(payloads))),
     ]
+
+
+def test_a_capture_of_a_repaired_stream_builds_what_the_relay_built(
+    ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    """What the subscriber handed out across a loss and its repair, written to a capture as
+    ``kvbridge record`` writes it, resets included, and read back through a pipeline: the same
+    index and the same drop counts as the relay's. (Without the reset records the repaired
+    batches would be applied a second time over the first.)"""
+    payloads = seeded_stream(21, 40, block_size=BS).payloads
+    path = tmp_path / "repaired.kvcap"
+    with relayed(ctx, serve=False, replay_timeout=TIMEOUT_S) as rig:
+        publish_after_a_lost_start(rig, payloads)
+        rig.publisher.start_replay_thread()
+        step_until(rig, lambda: rig.relay.subscriber.stats.repairs == 1)
+        relayed_rows = dump_rows(rig.index)
+        relayed_drops = dict(rig.relay.workers[1].normalizer.stats)
+        with CaptureWriter(path) as capture:
+            for item in rig.seen:
+                capture.write_item(item)
+        written = (capture.count, capture.resets)
+
+    index = TieredIndex(BS)
+    pipeline = StreamPipeline(BS, sinks=[IndexSink(index)])
+    for record in CaptureReader(path):
+        pipeline.feed_record(record)
+    assert written == (len(payloads) - UNSENT + len(payloads), 2)  # live, repaired; lost, repair
+    assert [r.reset.reason for r in CaptureReader(path) if r.reset] == ["lost", "repair"]
+    assert (
+        dump_rows(index)
+        == relayed_rows
+        == dump_rows(index_of(payloads, worker_id=1, block_size=BS))
+    )
+    assert dict(pipeline.workers[1].normalizer.stats) == relayed_drops
+    assert relayed_drops.get("orphan_parent", 0) > 0  # the loss, before its repair
 
 
 def test_a_loss_the_engine_no_longer_holds_is_not_repaired(

@@ -3,22 +3,26 @@
 The format is small enough to read with any msgpack library::
 
     file    = magic record*
-    magic   = b"KVCAP\\x01\\n"                      (7 bytes: name, format version 1, newline)
+    magic   = b"KVCAP\\x01\\n"                      (7 bytes: name, framing version 1, newline)
     record  = length:u32 big-endian, body:msgpack  (length counts the body only)
 
-The first record is the header, a map: ``{"format": "kvcap", "version": 1, "created_ns": int,
+The first record is the header, a map: ``{"format": "kvcap", "version": 2, "created_ns": int,
 "meta": {...}}``; ``meta`` is free-form (kvbridge puts the recording command, the engine
 arguments of a golden capture, or the prompts of the bundled sample there). The one key kvbridge
 reads back besides ``block_size`` is ``prompts``: the prompts the capture's traffic was made of,
 as ``[{"name": str, "token_ids": [int, ...]}, ...]`` (``kvbridge record --prompts``), so that
 ``demo`` and ``validate --compare-dynamo`` can speak of prompts as well as blocks. Every following
-record is a frame record, an array ``[received_ns, stream, worker_id, frames]``:
+record is an array ``[received_ns, stream, worker_id, frames]`` for a message, or
+``[received_ns, stream, worker_id, [], reset]`` for a reset of its stream (version 2):
 
 - ``received_ns``: wall-clock receive time, integer nanoseconds since the epoch;
 - ``stream``: the endpoint the message came from (``"tcp://127.0.0.1:5557"``), or ``"replay:"``
   plus the endpoint for a message recovered through the replay socket;
 - ``worker_id``: the worker the stream belongs to;
-- ``frames``: the message's frames as bytes, untouched (``[topic, seq, payload]`` for vLLM).
+- ``frames``: the message's frames as bytes, untouched (``[topic, seq, payload]`` for vLLM);
+- ``reset``: a map ``{"reason": "restart" | "lost" | "repair", "lost_batches": int,
+  "checked": bool}`` (the last two left out at 0 and ``true``), what the recorder's subscriber
+  concluded there (:mod:`~kvbridge.adapters.capture_records`).
 
 Frames are stored exactly as received, so a malformed message is captured as it was.
 """
@@ -38,8 +42,8 @@ from typing import IO, Annotated, Any, Final
 import msgspec
 
 from kvbridge._closing import ClosedOnExit
-from kvbridge.adapters.framing import framing_error
-from kvbridge.adapters.stream_stats import BadFrame
+from kvbridge.adapters.capture_records import FrameRecord, RecordedReset
+from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 
 __all__ = [
@@ -50,6 +54,7 @@ __all__ = [
     "CaptureWriter",
     "FrameRecord",
     "Prompt",
+    "RecordedReset",
     "capture_name",
     "capture_streams",
     "prompts_of",
@@ -57,7 +62,10 @@ __all__ = [
 ]
 
 MAGIC: Final = b"KVCAP\x01\n"
-VERSION: Final = 1
+VERSION: Final = 2
+"""The header's version: 2 may hold reset records; 1, which this version reads too, holds
+messages only."""
+READS: Final = (1, 2)
 _LENGTH = struct.Struct(">I")
 
 
@@ -69,30 +77,6 @@ class CaptureWriteError(OSError):
     """A capture could not be written once it was created (a full disk, an I/O error): the
     recording stopped short, which is a failure of the run, not of its arguments. The error
     names the file."""
-
-
-class FrameRecord(msgspec.Struct, array_like=True, frozen=True):
-    """One captured ZMQ message. A capture's records are checked as they are read: a worker
-    id is Dynamo's u64, and a ZMQ message has at least one frame."""
-
-    received_ns: int
-    stream: str
-    worker_id: Annotated[int, msgspec.Meta(ge=0)]
-    frames: Annotated[list[bytes], msgspec.Meta(min_length=1)]
-
-    @property
-    def seq(self) -> int | None:
-        """The vLLM sequence number, if the message has vLLM's three-frame shape and its seq
-        frame is one a batch can have (not the replay protocol's end marker, 2**64 - 1)."""
-        if self.framing_error is None:
-            return int.from_bytes(self.frames[1], "big")
-        return None
-
-    @property
-    def framing_error(self) -> tuple[BadFrame, str] | None:
-        """Why the message is not a vLLM batch whatever its payload, if it is not
-        (:func:`~kvbridge.adapters.framing.framing_error`, as for a live message)."""
-        return framing_error(self.frames)
 
 
 class Prompt(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -224,6 +208,7 @@ class CaptureWriter(ClosedOnExit):
                 self._file.close()  # closes the descriptor even if its flush fails
             raise
         self.count = 0
+        self.resets = 0
 
     def _write(self, body: bytes) -> None:
         with self._named_errors():
@@ -251,9 +236,33 @@ class CaptureWriter(ClosedOnExit):
         worker_id: int = 0,
         received_ns: int | None = None,
     ) -> None:
+        """Append a message's frames; :attr:`count` counts the messages."""
         received = time.time_ns() if received_ns is None else received_ns
-        self._write(_encoder.encode(FrameRecord(received, stream, worker_id, list(frames))))
+        self._write(_encoder.encode((received, stream, worker_id, list(frames))))
         self.count += 1
+
+    def write_item(self, item: Message | StreamReset) -> None:
+        """Append what a :class:`~kvbridge.adapters.subscriber.Subscriber` handed out: a
+        message (one recovered through a replay under the stream ``replay:ENDPOINT``, so that
+        a reader can tell it from a live one), or a reset."""
+        if isinstance(item, StreamReset):
+            self.write_reset(item)
+            return
+        source = item.source
+        self.write(
+            item.frames,
+            stream=("replay:" if item.replayed else "") + source.endpoint,
+            worker_id=source.worker_id,
+            received_ns=item.received_ns,
+        )
+
+    def write_reset(self, reset: StreamReset, *, received_ns: int | None = None) -> None:
+        """Append a reset of ``reset.source``'s stream, where it fell among its messages."""
+        received = time.time_ns() if received_ns is None else received_ns
+        kept = RecordedReset(reset.reason, reset.lost_batches, reset.checked)
+        source = reset.source
+        self._write(_encoder.encode((received, source.endpoint, source.worker_id, [], kept)))
+        self.resets += 1
 
     def flush(self) -> None:
         with self._named_errors():
@@ -294,10 +303,10 @@ class CaptureReader:
             raise CaptureError(
                 f"{self.path}: not a kvcap capture (its header's format is {header.format!r})"
             )
-        if header.version != VERSION:
+        if header.version not in READS:
             raise CaptureError(
                 f"{self.path}: unsupported capture version {header.version} "
-                f"(this kvbridge reads version {VERSION})"
+                f"(this kvbridge reads versions {', '.join(map(str, READS))})"
             )
         self.created_ns = header.created_ns
         self.meta = header.meta

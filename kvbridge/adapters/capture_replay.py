@@ -28,6 +28,9 @@ class StreamReplay(msgspec.Struct):
     endpoint: str
     """The endpoint it was published on, as given."""
     sent: int = 0
+    resets: int = 0
+    """Reset records passed over: a publisher has no reset to send (a subscriber of the replay
+    finds its own discontinuities, as the recorder's did)."""
     subscribed: bool = False
     """Whether a subscriber was connected before the first message went out."""
 
@@ -41,7 +44,8 @@ def replay_streams(
     stop: threading.Event | None = None,
     no_subscriber: Callable[[str], None] | None = None,
 ) -> list[StreamReplay]:
-    """Publish each stream's frames on a PUB socket of its own, byte for byte.
+    """Publish each stream's frames on a PUB socket of its own, byte for byte (its reset
+    records are counted, not sent: :attr:`StreamReplay.resets`).
 
     ``streams`` are ``(endpoint, records)`` pairs. Each endpoint follows vLLM's bind/connect rule
     unless ``bind`` says otherwise, so a subscriber configured for the recorded engine works
@@ -74,6 +78,9 @@ def replay_streams(
         for index, record in ordered:
             if stop is not None and stop.is_set():
                 break
+            if record.reset is not None:
+                results[index].resets += 1
+                continue
             if pace == "original":
                 delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
                 if delay > LONG_WAIT_S:

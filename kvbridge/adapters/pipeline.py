@@ -197,13 +197,18 @@ class StreamPipeline:
 
     def feed_record(self, record: FrameRecord, *, decoded: VllmBatch | None = None) -> None:
         """A capture record: its third frame is the payload. ``decoded`` is that payload
-        already decoded, by a caller that inspects batches itself (``kvbridge validate``).
+        already decoded, by a caller that inspects batches itself (``kvbridge validate``). A
+        reset record resets its source as the recorder's subscriber did (:meth:`feed_reset`).
 
         A record without vLLM's framing (three frames, a sequence number a batch can have) is
         counted, logged and skipped for the reason a live message's would be
         (:attr:`FrameRecord.framing_error <kvbridge.adapters.capture.FrameRecord.framing_error>`),
         not decoded from whatever frame it ends with."""
         source = record_source(record)
+        reset = record.stream_reset(source)
+        if reset is not None:
+            self.feed_reset(reset)
+            return
         framing = record.framing_error
         if framing is not None:
             self.stats.batches_in += 1

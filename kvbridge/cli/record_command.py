@@ -21,9 +21,10 @@ log = structlog.get_logger("kvbridge")
 
 
 def run_record(args: argparse.Namespace) -> int:
-    """Record until ``--count`` messages, ``--duration``, SIGINT or SIGTERM. A batch recovered
-    by replay is kept under the stream ``replay:ENDPOINT``, so that a reader can tell it from a
-    live one; the header keeps the sources, and ``--block-size`` and ``--prompts`` if given."""
+    """Record until ``--count`` messages, ``--duration``, SIGINT or SIGTERM: each message, and
+    each reset of a stream (a restart, a loss, a repair) where it fell, so that a reader builds
+    what a relay built (:meth:`CaptureWriter.write_item`); the header keeps the sources, and
+    ``--block-size`` and ``--prompts`` if given."""
     sources = live.sources(args)
     check_uses(args, source_uses(args))
     meta: dict[str, Any] = {
@@ -45,17 +46,10 @@ def run_record(args: argparse.Namespace) -> int:
             for item in subscriber.poll(50):
                 if isinstance(item, StreamReset):
                     log.warning("stream reset", stream=item.source.endpoint, reason=item.reason)
-                    continue
-                stream = ("replay:" if item.replayed else "") + item.source.endpoint
-                capture.write(
-                    item.frames,
-                    stream=stream,
-                    worker_id=item.source.worker_id,
-                    received_ns=item.received_ns,
-                )
+                capture.write_item(item)
                 if args.count is not None and capture.count >= args.count:
                     break
             capture.flush()
             silence.check(live.delivered(subscriber, sources))
-    log.info("recorded", out=args.out, messages=capture.count)
+    log.info("recorded", out=args.out, messages=capture.count, resets=capture.resets)
     return 0

@@ -43,7 +43,7 @@ def run_replay(args: argparse.Namespace) -> int:
             stream=stream,
             worker_id=worker_id,
             block_size=block_size,
-            messages=len(records),
+            messages=sum(1 for record in records if record.reset is None),
             publish=use.endpoint.address,
             mode=mode,
         )
@@ -70,7 +70,10 @@ def run_replay(args: argparse.Namespace) -> int:
         ),
     )
     sent = sum(result.sent for result in results)
-    log.info("replayed", capture=args.capture, messages=sent, publish=publish.address)
+    resets = sum(result.resets for result in results)  # a subscriber finds its own
+    log.info(
+        "replayed", capture=args.capture, messages=sent, resets=resets, publish=publish.address
+    )
     return 0
 
 

@@ -72,6 +72,7 @@ class Report(msgspec.Struct):
     strict: bool
     captures: list[str]
     frames: int
+    """Message records; a capture's reset records are not frames."""
     events: int
     invalid_frames: int
     problems: list[Problem]
@@ -84,6 +85,9 @@ class Report(msgspec.Struct):
     """Events (stores and removals) by medium, upper-cased; an event without one is ``GPU``."""
     unmet: list[str] = []
     """Requirements the captures do not meet (no frames, too few frames, a missing medium)."""
+    resets: int = 0
+    """Reset records (``kvbridge record`` keeps the resets of its streams): each resets its
+    stream as the relay did."""
     dynamo: DynamoComparison | None = None
     """With ``--compare-dynamo``: Dynamo fed the raw streams against Dynamo fed through
     kvbridge."""
@@ -103,6 +107,12 @@ class _Stream:
         self.worker_id = worker_id
         self.block_size = block_size
         self.pipeline: StreamPipeline | None = None
+
+    def reset(self, record: FrameRecord) -> None:
+        """Apply a reset record, as the relay applied the reset (nothing to clear before the
+        pipeline starts)."""
+        if self.pipeline is not None:
+            self.pipeline.feed_record(record)
 
     def normalize(self, record: FrameRecord, batch: VllmBatch) -> Counter[str]:
         """Normalize a record's decoded batch; returns what it added to the drop counters."""
@@ -138,7 +148,7 @@ def validate_captures(
     unmet: list[str] = []
     media: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
-    frames = events = unknown = 0
+    frames = events = unknown = resets = 0
     invalid: set[tuple[str, int]] = set()
     names = []
     for path in paths:
@@ -149,8 +159,12 @@ def validate_captures(
         streams: dict[int, _Stream] = {}
         first_frame = frames
         for index, record in enumerate(reader):
-            frames += 1
             stream = streams.setdefault(record.worker_id, _Stream(record.worker_id, size))
+            if record.reset is not None:
+                resets += 1
+                stream.reset(record)
+                continue
+            frames += 1
             where = Problem(name, index, record.stream, record.worker_id, "", "", seq=record.seq)
             framing = record.framing_error
             if framing is not None:
@@ -211,6 +225,7 @@ def validate_captures(
         strict=strict,
         captures=names,
         frames=frames,
+        resets=resets,
         events=events,
         invalid_frames=len(invalid),
         problems=problems,
@@ -237,6 +252,7 @@ def render_text(report: Report) -> str:
     lines.append(
         f"{verdict}{mode}: {report.frames} frames, {report.events} events, "
         f"{report.invalid_frames} invalid frames in {len(report.captures)} capture(s)"
+        + (f", {report.resets} stream resets applied" if report.resets else "")
     )
     for reason, count in report.summary.items():
         lines.append(f"  {reason}: {count}")

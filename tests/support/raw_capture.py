@@ -9,7 +9,7 @@ import msgspec
 
 from kvbridge.adapters.capture import MAGIC
 
-HEADER = {"format": "kvcap", "version": 1, "created_ns": 0}
+HEADER = {"format": "kvcap", "version": 2, "created_ns": 0}
 """A header as CaptureWriter writes it, without meta."""
 
 

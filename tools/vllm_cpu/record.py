@@ -134,6 +134,10 @@ def analyse(path: Path) -> dict[str, Any]:
     batches = 0
     order: list[str] = []
     for record in reader:
+        if record.reset is not None:
+            raise RecordError(
+                f"{path.name}: the recorder reset a stream ({record.reset.reason}): record again"
+            )
         if len(record.frames) != 3 or record.frames[0] != TOPIC or record.seq is None:
             raise RecordError(f"{path.name}: unexpected message shape {record.frames[:2]!r}")
         seqs.append(record.seq)

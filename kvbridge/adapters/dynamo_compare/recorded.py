@@ -70,9 +70,11 @@ tokens each) to both services, and Dynamo hashes and indexes them; no engine's b
 
 def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]]:
     """A capture's streams, each with the capture's block size (given, in its header, or of
-    its first store with tokens), and the prompts its header carries."""
+    its first store with tokens), and the prompts its header carries. Reset records are left
+    out: each stream is put back in its engine's order (:func:`_engine_order`), where the
+    resets of the recorder's subscriber, concluded from the order it received, have no place."""
     reader = CaptureReader(path)
-    records = list(reader)
+    records = [record for record in reader if record.reset is None]
     size = block_size or reader.block_size or _records_block_size(records) or 0
     if records and not size:
         raise ValueError(f"{path}: no store with tokens tells the block size: give --block-size")
