@@ -177,6 +177,57 @@ def test_a_capture_of_a_repaired_stream_builds_what_the_relay_built(
     assert relayed_drops.get("orphan_parent", 0) > 0  # the loss, before its repair
 
 
+def test_a_later_loss_the_engine_still_holds_is_repaired_when_the_earliest_is_gone(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Two losses whose replays go unanswered: batches 0-5 at the start and batch 20. By the
+    time the engine answers, its buffer (12 batches) holds 18-29: not the first loss, but the
+    second. The stream is repaired from 18: a clear, then 18-29 again; the loss of 0-5 alone
+    stays lost, and the chains through batch 20 are known again."""
+    stream = seeded_stream(24, 30, block_size=BS)
+    payloads = stream.payloads
+    second = 20
+    with (
+        structlog.testing.capture_logs() as logs,
+        relayed(ctx, serve=False, buffer_steps=12, replay_timeout=TIMEOUT_S) as rig,
+    ):
+        publish_after_a_lost_start(rig, payloads[:second])
+        rig.publisher.publish(payloads[second], send=False)
+        for seq in range(second + 1, len(payloads)):
+            rig.publisher.publish(payloads[seq])
+            deliver(rig.relay, rig.source, seq)
+        before = overlaps(rig.index, stream.prompts)
+        rig.publisher.start_replay_thread()
+        step_until(rig, lambda: rig.relay.subscriber.stats.repairs == 1)
+        after = overlaps(rig.index, stream.prompts)
+        stats = deepcopy(rig.relay.subscriber.stats)
+
+    held = len(payloads) - 12
+    assert shape(rig.seen) == [
+        ("lost", UNSENT),
+        *((seq, False) for seq in range(UNSENT, second)),
+        ("lost", 1),
+        *((seq, False) for seq in range(second + 1, len(payloads))),
+        ("repair", 0),
+        *((seq, True) for seq in range(held, len(payloads))),
+    ]
+    assert (stats.lost, stats.repairs, stats.replayed) == (UNSENT + 1, 1, 0)
+    repairs = [line for line in logs if line["event"] == "stream repaired"]
+    assert [(r["first"], r["last"], r["still_lost"]) for r in repairs] == [
+        (held, len(payloads) - 1, f"0-{held - 1}")
+    ]
+    # Prompt 10's chain runs through batch 20: found whole again. Prompt 5's is longer on the
+    # device tier than before; the rest reach back to blocks only the lost batches 0-5 hold.
+    reference = overlaps(index_of(payloads, worker_id=1, block_size=BS), stream.prompts)
+    assert [i for i, (o, r) in enumerate(zip(before, reference, strict=True)) if o == r] == [11]
+    assert [i for i, (o, r) in enumerate(zip(after, reference, strict=True)) if o == r] == [10, 11]
+    assert (before[5], after[5], reference[5]) == (
+        {(1, 0): (0, 2, 2)},
+        {(1, 0): (2, 2, 2)},
+        {(1, 0): (4, 4, 4)},
+    )
+
+
 def test_a_loss_the_engine_no_longer_holds_is_not_repaired(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

@@ -19,6 +19,11 @@ stored in the lost batches are known again, and the stores that extend them are 
 dropped. (Blocks stored before the loss, which its clear took, come back as before: re-anchored
 by the stores that extend them.) Nothing is invented, since the clear comes first.
 
+An engine that no longer holds the earliest loss may still hold a later one
+(:attr:`~kvbridge.adapters.stream_state.StreamState.repair_latest`): if the answer's unbroken
+run to the last starts no later than that, the stream is repaired from the run's start, and
+only the losses before it stay lost.
+
 An answer that does not come again waits for the next back-off, for at most
 :data:`REPAIR_TRIES` tries (a dead replay endpoint is not asked forever, holding up its source
 a timeout each time); one that comes without the batches ends the repair (the engine no longer
@@ -42,13 +47,14 @@ timeout of 2 s, the back-offs between them span about two minutes."""
 
 def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
     """The repair of ``stream`` (whose :meth:`~StreamState.repair_due` holds): a clear, the
-    batches from :attr:`~StreamState.repair_from` to the last delivered and the answer's batches
-    after it; or nothing."""
+    batches from :attr:`~StreamState.repair_from` (or a later one, no later than
+    :attr:`~StreamState.repair_latest`) to the last delivered and the answer's batches after
+    it; or nothing."""
     first, last = stream.repair_from, stream.last
     assert first is not None and last is not None
     answer = yield Fetch(stream, first)
     run = run_before(first, last + 1, answer)
-    complete = answer.whole and bool(run) and run[0].seq == first
+    complete = answer.whole and bool(run) and run[0].seq <= stream.repair_latest
     complete = complete and run[-1].payload == stream.last_payload
     endpoint = stream.source.endpoint
     if not complete and stream.replay_failures:  # unanswered again
@@ -66,6 +72,8 @@ def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message 
         return []
     stream.repair_from = None
     client.stats.repairs += 1
-    client.warn("stream repaired", (endpoint,), stream=endpoint, first=first, last=last)
+    repaired = run[0].seq
+    lost = {"still_lost": f"{first}-{repaired - 1}"} if repaired > first else {}
+    client.warn("stream repaired", (endpoint,), stream=endpoint, first=repaired, last=last, **lost)
     out: list[Message | StreamReset] = [stream.reset("repair"), *run]
     return out + (yield from client.recover(stream, last + 1, None, answer))

@@ -43,6 +43,7 @@ class StreamState:
         "monitor",
         "reconnected",
         "repair_from",
+        "repair_latest",
         "repair_tries",
         "replay_failures",
         "replay_resumes_at",
@@ -117,6 +118,10 @@ class StreamState:
         the back-off has passed, the stream is repaired from there (see
         :mod:`~kvbridge.adapters.repairs`). ``None`` when nothing is to be repaired, or the
         loss is for good (an answer without the batches, a new process)."""
+        self.repair_latest = 0
+        """While :attr:`repair_from` is set: the first batch of the latest loss to repair. A
+        repair from a later batch than :attr:`repair_from` (the engine no longer holds the
+        earliest loss) still repairs the losses from there."""
         self.repair_tries = 0
         """Repairs from :attr:`repair_from` that went unanswered. A later loss that the same
         repair covers adds no tries: the endpoint is the same."""
@@ -162,9 +167,10 @@ class StreamState:
         if not self.replay_failures:
             self.repair_from = None
         elif self.repair_from is None:
-            self.repair_from, self.repair_tries = first, 0
+            self.repair_from, self.repair_latest, self.repair_tries = first, first, 0
         else:
             self.repair_from = min(first, self.repair_from)
+            self.repair_latest = max(first, self.repair_latest)
         end = first + count
         first = self.counts_lost_from(first)
         counted = max(0, end - first)
