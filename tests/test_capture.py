@@ -34,9 +34,10 @@ from kvbridge.adapters.capture import (
     FrameRecord,
     RecordedReset,
     capture_name,
+    capture_streams,
     read_prompts,
 )
-from kvbridge.adapters.capture_replay import replay_streams
+from kvbridge.adapters.capture_replay import in_receipt_order, replay_streams
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
@@ -285,6 +286,34 @@ def test_resets_are_kept_where_they_fell(tmp_path: Path) -> None:
         msgspec.msgpack.encode([T0 + 2, source.endpoint, 3, [], {"reason": "repair"}])
     )
     assert msgspec.msgpack.encode({"format": "kvcap", "version": 2})[1:] in data
+
+
+def test_a_reset_is_timed_by_its_streams_latest_message(tmp_path: Path) -> None:
+    """A subscriber hands out a reset with the messages after it, received before the reset
+    is written: the reset takes the time of its stream's latest message written (live or
+    replayed), or the capture's start, so that each stream's records stay in time order and
+    a merge by receive time keeps every stream's order."""
+    a, b = Source("tcp://127.0.0.1:5557", worker_id=1), Source("tcp://127.0.0.1:5558", worker_id=2)
+    path = tmp_path / "timed.kvcap"
+    with CaptureWriter(path) as writer:
+        t = time.time_ns() + 10**9  # received after the capture began
+        writer.write_reset(StreamReset(b, "lost", 1))
+        writer.write(
+            [b"", seq8(0), b"p"], stream=f"replay:{a.endpoint}", worker_id=1, received_ns=t
+        )
+        writer.write([b"", seq8(0), b"q"], stream=b.endpoint, worker_id=2, received_ns=t + 60)
+        writer.write_reset(StreamReset(a, "repair"))
+        writer.write([b"", seq8(1), b"p"], stream=a.endpoint, worker_id=1, received_ns=t + 55)
+    reader = CaptureReader(path)
+    records = list(reader)
+    assert [record.received_ns for record in records] == [
+        reader.created_ns, t, t + 60, t, t + 55
+    ]  # fmt: skip
+    merged = in_receipt_order(list(capture_streams(records).values()))
+    assert [(index, record.received_ns, record.reset is None) for index, record in merged] == [
+        (0, reader.created_ns, False), (1, t, True), (1, t, False), (1, t + 55, True),
+        (0, t + 60, True),
+    ]  # fmt: skip
 
 
 def test_a_version_1_capture_is_read(tmp_path: Path) -> None:

@@ -213,7 +213,7 @@ def test_a_later_loss_the_engine_still_holds_is_repaired_when_the_earliest_is_go
     ]
     assert (stats.lost, stats.repairs, stats.replayed) == (UNSENT + 1, 1, 0)
     repairs = [line for line in logs if line["event"] == "stream repaired"]
-    assert [(r["first"], r["last"], r["still_lost"]) for r in repairs] == [
+    assert [(r["first"], r["last"], r["not_restored"]) for r in repairs] == [
         (held, len(payloads) - 1, f"0-{held - 1}")
     ]
     # Prompt 10's chain runs through batch 20: found whole again. Prompt 5's is longer on the

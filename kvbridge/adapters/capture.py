@@ -202,13 +202,17 @@ class CaptureWriter(ClosedOnExit):
         try:
             with self._named_errors():
                 self._file.write(MAGIC)
-            self._write(_encoder.encode(_Header("kvcap", VERSION, time.time_ns(), meta or {})))
+            created_ns = time.time_ns()
+            self._write(_encoder.encode(_Header("kvcap", VERSION, created_ns, meta or {})))
         except BaseException:
             with contextlib.suppress(OSError):  # the header's error is the one to report
                 self._file.close()  # closes the descriptor even if its flush fails
             raise
         self.count = 0
         self.resets = 0
+        self._created_ns = created_ns
+        self._newest_ns: dict[str, int] = {}
+        """The latest receive time written per endpoint (live and replayed messages alike)."""
 
     def _write(self, body: bytes) -> None:
         with self._named_errors():
@@ -240,6 +244,8 @@ class CaptureWriter(ClosedOnExit):
         received = time.time_ns() if received_ns is None else received_ns
         self._write(_encoder.encode((received, stream, worker_id, list(frames))))
         self.count += 1
+        endpoint = stream.removeprefix("replay:")
+        self._newest_ns[endpoint] = max(received, self._newest_ns.get(endpoint, received))
 
     def write_item(self, item: Message | StreamReset) -> None:
         """Append what a :class:`~kvbridge.adapters.subscriber.Subscriber` handed out: a
@@ -257,11 +263,17 @@ class CaptureWriter(ClosedOnExit):
         )
 
     def write_reset(self, reset: StreamReset, *, received_ns: int | None = None) -> None:
-        """Append a reset of ``reset.source``'s stream, where it fell among its messages."""
-        received = time.time_ns() if received_ns is None else received_ns
-        kept = RecordedReset(reset.reason, reset.lost_batches, reset.checked)
+        """Append a reset of ``reset.source``'s stream, where it fell among its messages.
+
+        Its time is by default that of the stream's latest message written (the capture's
+        start before any): a subscriber hands out a reset with the messages after it, which
+        were received before the reset is written, and a stream's records stay in time order,
+        as :func:`~kvbridge.adapters.capture_replay.in_receipt_order` takes them."""
         source = reset.source
-        self._write(_encoder.encode((received, source.endpoint, source.worker_id, [], kept)))
+        if received_ns is None:
+            received_ns = self._newest_ns.get(source.endpoint, self._created_ns)
+        kept = RecordedReset(reset.reason, reset.lost_batches, reset.checked)
+        self._write(_encoder.encode((received_ns, source.endpoint, source.worker_id, [], kept)))
         self.resets += 1
 
     def flush(self) -> None:

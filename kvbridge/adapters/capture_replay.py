@@ -57,7 +57,11 @@ def replay_streams(
     ends (unless ``stop`` ended it), before anything is sent: a replay at the recorded pace may
     take hours to finish.
     """
-    results = [StreamReplay(endpoint) for endpoint, _ in streams]
+    results = [
+        StreamReplay(endpoint, resets=sum(1 for record in records if record.reset is not None))
+        for endpoint, records in streams
+    ]
+    messages = [[record for record in records if record.reset is None] for _, records in streams]
     with contextlib.ExitStack() as sockets:
         publishers = [
             sockets.enter_context(Publisher(endpoint, bind=bind)) for endpoint, _ in streams
@@ -72,15 +76,12 @@ def replay_streams(
             for result in results:
                 if not result.subscribed:
                     no_subscriber(result.endpoint)
-        ordered = in_receipt_order([records for _, records in streams])
+        ordered = in_receipt_order(messages)
         start = time.monotonic()
-        first_ns = min((records[0].received_ns for _, records in streams if records), default=0)
+        first_ns = min((stream[0].received_ns for stream in messages if stream), default=0)
         for index, record in ordered:
             if stop is not None and stop.is_set():
                 break
-            if record.reset is not None:
-                results[index].resets += 1
-                continue
             if pace == "original":
                 delay = (record.received_ns - first_ns) / 1e9 - (time.monotonic() - start)
                 if delay > LONG_WAIT_S:

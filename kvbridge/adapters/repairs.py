@@ -73,7 +73,10 @@ def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message 
     stream.repair_from = None
     client.stats.repairs += 1
     repaired = run[0].seq
-    lost = {"still_lost": f"{first}-{repaired - 1}"} if repaired > first else {}
-    client.warn("stream repaired", (endpoint,), stream=endpoint, first=repaired, last=last, **lost)
+    # Batches before the run: what they stored stays unknown downstream, as after the loss.
+    unknown = {"not_restored": f"{first}-{repaired - 1}"} if repaired > first else {}
+    client.warn(
+        "stream repaired", (endpoint,), stream=endpoint, first=repaired, last=last, **unknown
+    )
     out: list[Message | StreamReset] = [stream.reset("repair"), *run]
     return out + (yield from client.recover(stream, last + 1, None, answer))

@@ -213,9 +213,14 @@ class StreamState:
         waits no longer than this, so that a long poll does not make either late."""
         if self.suspended:
             return self.clear_allowed_at()
-        if self.repair_from is not None and self.last is not None and not self.out_of_order:
+        if self._repair_pending():
             return max(self.clear_allowed_at(), self.replay_resumes_at)
         return None
+
+    def _repair_pending(self) -> bool:
+        """Whether a repair waits for time alone: a loss waits for it (:attr:`repair_from`),
+        and the stream is in order and has delivered a batch since."""
+        return self.repair_from is not None and self.last is not None and not self.out_of_order
 
     def reset(self, reason: ResetReason, lost: int = 0, *, checked: bool = True) -> StreamReset:
         """A reset of this stream, which takes a token; the caller has checked
@@ -294,9 +299,7 @@ class StreamState:
         the stream is in order and has delivered a batch since, the replay back-off has passed
         and a clear is allowed."""
         return (
-            self.repair_from is not None
-            and self.last is not None
-            and not self.out_of_order
+            self._repair_pending()
             and time.monotonic() >= self.replay_resumes_at
             and self.may_clear()
         )

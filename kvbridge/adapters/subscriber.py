@@ -274,14 +274,14 @@ class Subscriber(ClosedOnExit):
         stream.socket.close(0)
 
     def poll(self, timeout_ms: int = 100) -> list[Message | StreamReset]:
-        """What arrived within ``timeout_ms`` (less if a stream's clear or repair falls due
-        sooner: the next poll sends it), within the budget, in stream order per source.
-        First come the clears of suspended streams whose clear token is back, the repairs that
-        are due, then what the replays that came in complete. Then it reads the ready sources
-        round-robin (see the module's "limits"): at most ``source_budget`` messages from one
-        source and ``poll_budget`` in all; the rest waits in ZMQ's queue (up to ``RCVHWM``).
-        An error raised in a poll (a bug: no input is known to cause one) keeps what the poll
-        had taken for the next, since the streams' positions are already past it.
+        """What arrived within ``timeout_ms``, within the budget, in stream order per source.
+
+        First the clears of suspended streams whose token is back and the repairs that are due
+        (a poll ends early when one falls due; the next sends it), then what the replays that
+        came in complete. Then it reads the ready sources round-robin (the module's "limits"):
+        at most ``source_budget`` messages from one source and ``poll_budget`` in all; the rest
+        waits in ZMQ's queue (up to ``RCVHWM``). An error raised in a poll (a bug: no input is
+        known to cause one) keeps what it had taken for the next: the streams are past it.
         """
         self._polled_at = time.monotonic()
         out, self._taken = self._taken, []

@@ -252,7 +252,7 @@ def render_text(report: Report) -> str:
     lines.append(
         f"{verdict}{mode}: {report.frames} frames, {report.events} events, "
         f"{report.invalid_frames} invalid frames in {len(report.captures)} capture(s)"
-        + (f", {report.resets} stream resets applied" if report.resets else "")
+        + (f", {report.resets} stream resets" if report.resets else "")
     )
     for reason, count in report.summary.items():
         lines.append(f"  {reason}: {count}")

@@ -71,8 +71,8 @@ tokens each) to both services, and Dynamo hashes and indexes them; no engine's b
 def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]]:
     """A capture's streams, each with the capture's block size (given, in its header, or of
     its first store with tokens), and the prompts its header carries. Reset records are left
-    out: each stream is put back in its engine's order (:func:`_engine_order`), where the
-    resets of the recorder's subscriber, concluded from the order it received, have no place."""
+    out: the comparison feeds both services each stream's batches in its engine's order
+    (:func:`_engine_order`), not what the recorder's subscriber made of their arrival."""
     reader = CaptureReader(path)
     records = [record for record in reader if record.reset is None]
     size = block_size or reader.block_size or _records_block_size(records) or 0
