@@ -32,7 +32,9 @@ from kvbridge.adapters.dynamo_compare import (
     ResidentDiff,
     compare_captures,
 )
+from kvbridge.adapters.dynamo_compare.recorded import load_streams
 from kvbridge.adapters.ports import free_port_range
+from kvbridge.adapters.source import Source, StreamReset
 from kvbridge.cli.validation import Report
 from kvbridge.schemas.vllm import BlockRemoved, BlockStored, VllmBatch, encode_batch, layout_for
 from kvbridge.testing import SimulatedEngine
@@ -309,6 +311,36 @@ def test_batches_recovered_by_replay_go_back_in_sequence(tmp_path: Path) -> None
             )
     comparison = compare_captures([capture])
     assert blocks(comparison) == [(0, 0, "device", 7, 7, {}, {})]
+
+
+def test_a_restart_reset_starts_the_engine_order_anew_and_a_repair_is_sent_once(
+    tmp_path: Path,
+) -> None:
+    """An engine restarts while recorded: the new process's first batches come through the
+    replay socket after the ``restart`` reset, then a repair delivers its batches again.
+    Ordered by seq alone, the new process's batches 0-1 would go between the old one's; the
+    reset starts a run of their own, and each batch of a run is sent once."""
+    capture = tmp_path / "restarted.kvcap"
+    endpoint = "tcp://w0"
+    received = [
+        ("old", 0, False), ("old", 1, False), ("old", 2, False), "restart",
+        ("new", 0, True), ("new", 1, True), ("new", 2, False), "repair",
+        ("new", 0, True), ("new", 1, True), ("new", 2, True), ("new", 3, False),
+    ]  # fmt: skip
+    with CaptureWriter(capture, meta={"block_size": 4}) as writer:
+        for item in received:
+            if isinstance(item, str):
+                writer.write_reset(StreamReset(Source(endpoint, worker_id=0), item))
+                continue
+            process, seq, replayed = item
+            writer.write(
+                [b"", seq.to_bytes(8, "big"), f"{process}{seq}".encode()],
+                stream=("replay:" if replayed else "") + endpoint,
+            )
+    (stream,), _ = load_streams([str(capture)], 4, None)
+    assert [record.frames[2] for record in stream.records] == [
+        b"old0", b"old1", b"old2", b"new0", b"new1", b"new2", b"new3"
+    ]  # fmt: skip
 
 
 def test_a_worker_in_two_captures_is_refused() -> None:

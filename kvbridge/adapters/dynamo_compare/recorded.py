@@ -70,11 +70,11 @@ tokens each) to both services, and Dynamo hashes and indexes them; no engine's b
 
 def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]]:
     """A capture's streams, each with the capture's block size (given, in its header, or of
-    its first store with tokens), and the prompts its header carries. Reset records are left
-    out: the comparison feeds both services each stream's batches in its engine's order
-    (:func:`_engine_order`), not what the recorder's subscriber made of their arrival."""
+    its first store with tokens), and the prompts its header carries. The comparison feeds
+    both services each stream's batches in its engine's order (:func:`_engine_order`, which
+    takes a new process from a reset record and leaves the resets out)."""
     reader = CaptureReader(path)
-    records = [record for record in reader if record.reset is None]
+    records = list(reader)
     size = block_size or reader.block_size or _records_block_size(records) or 0
     if records and not size:
         raise ValueError(f"{path}: no store with tokens tells the block size: give --block-size")
@@ -91,7 +91,9 @@ def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]
                 "stream is one worker's, so a comparison cannot tell whose its blocks are"
             )
         _check_seq_room(path, endpoint, stream)
-        streams.append(Stream(path, workers[0], size, _engine_order(stream)))
+        ordered = _engine_order(stream)
+        if ordered:  # not a stream of resets alone, recorded before its first message
+            streams.append(Stream(path, workers[0], size, ordered))
     return streams, reader.prompts
 
 
@@ -113,18 +115,25 @@ def _check_seq_room(path: str, endpoint: str, records: Sequence[FrameRecord]) ->
 
 
 def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
-    """A stream's records in the order its engine published them.
+    """A stream's messages in the order its engine published them, each batch once.
 
     A batch the recorder recovered through the replay socket (stream ``replay:...``) was
     received after the live batch that showed the gap; sent in that order, Dynamo would drop
     it (a listener ignores a seq it has passed) where a listener with a replay endpoint would
     have fetched it. So each goes back among the live ones by its seq, within the run since the
-    engine last restarted (a live seq going back). A record without a seq stays after the one
-    before it.
+    engine last restarted: a ``"restart"`` reset record (the recorder's subscriber found a new
+    process, whose first batches it then replayed), or, in a capture without resets, a live seq
+    going back. A batch received twice in one run (a repair delivers the batches of a loss
+    again) is kept once. A record without a seq stays after the one before it; reset records
+    are left out.
     """
     run, last = 0, -1
     keyed = []
     for position, record in enumerate(records):
+        if record.reset is not None:
+            if record.reset.reason == "restart":
+                run, last = run + 1, -1
+            continue
         seq, live = record.seq, not record.stream.startswith("replay:")
         if live and seq is not None:
             if seq < last:
@@ -132,7 +141,16 @@ def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
             last = seq
         keyed.append(((run, last if seq is None else seq, position), record))
     keyed.sort(key=lambda item: item[0])
-    return [record for _, record in keyed]
+    kept: list[FrameRecord] = []
+    seen: set[tuple[int, int]] = set()
+    for (run_of, _, _), record in keyed:
+        seq = record.seq
+        if seq is not None and (run_of, seq) in seen:
+            continue
+        if seq is not None:
+            seen.add((run_of, seq))
+        kept.append(record)
+    return kept
 
 
 def _check_workers(streams: Sequence[Stream]) -> None:
