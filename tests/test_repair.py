@@ -17,10 +17,18 @@ from pathlib import Path
 
 import structlog
 import zmq
+from support.log_fields import log_fields
 from support.polling import TIMEOUT, poll_for, poll_until, receive, shape, wait_until
 from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import dump_rows, index_of, overlaps
-from support.relayed import BS, Relayed, deliver, engine_publisher, relayed
+from support.relayed import (
+    BS,
+    Relayed,
+    deliver,
+    engine_publisher,
+    relayed,
+    suspend_after_two_losses,
+)
 
 from kvbridge.adapters.capture import CaptureReader, CaptureWriter
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
@@ -110,8 +118,7 @@ def test_a_start_whose_replay_timed_out_is_repaired_once_the_engine_answers(
     assert rows == dump_rows(reference)
     assert found == overlaps(reference, stream.prompts) and sum(1 for o in found if o) > 5
     assert after == dump_rows(index_of(payloads, worker_id=1, block_size=BS))
-    repairs = [line for line in logs if line["event"] == "stream repaired"]
-    assert [(line["first"], line["last"]) for line in repairs] == [(0, unseen - 1)]
+    assert log_fields(logs, "stream repaired", "first", "last") == [(0, unseen - 1)]
 
 
 def test_a_long_poll_ends_when_a_repair_is_due(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
@@ -212,8 +219,7 @@ def test_a_later_loss_the_engine_still_holds_is_repaired_when_the_earliest_is_go
         *((seq, True) for seq in range(held, len(payloads))),
     ]
     assert (stats.lost, stats.repairs, stats.replayed) == (UNSENT + 1, 1, 0)
-    repairs = [line for line in logs if line["event"] == "stream repaired"]
-    assert [(r["first"], r["last"], r["not_restored"]) for r in repairs] == [
+    assert log_fields(logs, "stream repaired", "first", "last", "not_restored") == [
         (held, len(payloads) - 1, f"0-{held - 1}")
     ]
     # Prompt 10's chain runs through batch 20: found whole again. Prompt 5's is longer on the
@@ -252,8 +258,7 @@ def test_a_loss_the_engine_no_longer_holds_is_not_repaired(
     assert shape(rig.seen) == [("lost", UNSENT), *((seq, False) for seq in range(UNSENT, 20))]
     assert final == SubscriberStats(messages=live, replays=2, replay_timeouts=1, lost=UNSENT)
     assert after == rows
-    given_up = [line for line in logs if line["event"] == "loss not repairable"]
-    assert [(line["first"], line["last"]) for line in given_up] == [(0, 19)]
+    assert log_fields(logs, "loss not repairable", "first", "last") == [(0, 19)]
 
 
 def test_a_repair_that_goes_unanswered_is_given_up_after_its_tries(
@@ -283,10 +288,7 @@ def test_a_repair_that_goes_unanswered_is_given_up_after_its_tries(
     assert shape(items) == [("lost", 3), (3, False)]
     attempts = 1 + REPAIR_TRIES  # the start's replay, then the repair's tries
     assert final == SubscriberStats(messages=1, replays=attempts, replay_timeouts=attempts, lost=3)
-    given_up = [line for line in logs if line["event"] == "loss not repairable"]
-    assert [(line["first"], line["last"], line["why"]) for line in given_up] == [
-        (0, 3, "unanswered")
-    ]
+    assert log_fields(logs, "loss not repairable", "first", "last", "why") == [(0, 3, "unanswered")]
 
 
 def test_a_new_process_found_as_a_suspended_stream_starts_over_is_not_repaired(
@@ -304,15 +306,7 @@ def test_a_new_process_found_as_a_suspended_stream_starts_over_is_not_repaired(
     ) as subscriber:
         stats = subscriber.stats
         assert first.wait_for_subscribers(timeout=TIMEOUT)
-        first.publish(b"old 0")
-        items = receive(subscriber, 1)
-        for lost_from in (1, 4):  # two losses: the first spends the one clear token
-            for seq in range(lost_from, lost_from + 2):
-                first.publish(b"old %d" % seq, send=False)
-            first.publish(b"old %d" % (lost_from + 2))
-            if lost_from == 1:
-                items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 3)
-        items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        items = suspend_after_two_losses(subscriber, first, source, 2)  # batches 1-2 and 4-5
         first.close()
         listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects)

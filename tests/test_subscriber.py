@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import structlog
 import zmq
+from support.log_fields import log_fields
 from support.polling import (
     TIMEOUT,
     poll_for,
@@ -50,6 +51,7 @@ from support.relayed import (
     port_of,
     relayed,
     spy,
+    suspend_after_two_losses,
 )
 
 from kvbridge import TieredIndex
@@ -517,15 +519,7 @@ def test_an_engine_replaced_while_its_stream_is_suspended_is_replayed_from_0(
     with Subscriber([source], context=ctx, clear_burst=1, clear_interval=2.0) as subscriber:
         stats = subscriber.stats
         assert first.wait_for_subscribers(timeout=TIMEOUT)
-        first.publish(b"old 0")
-        items = receive(subscriber, 1)
-        for lost_from in (1, 5):  # two losses: the first spends the one clear token
-            for seq in range(lost_from, lost_from + 3):
-                first.publish(b"old %d" % seq, send=False)
-            first.publish(b"old %d" % (lost_from + 3))
-            if lost_from == 1:  # until the replay's answer is delivered
-                items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 4)
-        items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        items = suspend_after_two_losses(subscriber, first, source, 3)  # batches 1-3 and 5-7
         first.close()
         listener_gone(base)
         items += poll_until(subscriber, lambda: stats.disconnects)
@@ -1349,10 +1343,7 @@ def test_a_new_process_found_after_a_throttled_loss_clear_is_logged_not_counted_
     throttled = Counter({BadFrame.THROTTLED: 1})
     assert released == SubscriberStats(messages=3, gaps=2, lost=1, resyncs=1, bad_frames=throttled)
     assert stats == SubscriberStats(messages=4, gaps=2, lost=2, resyncs=1, bad_frames=throttled)
-    restarted = [line for line in logs if line["event"] == "publisher restarted"]
-    assert [(line["seq"], line["last"], line["counted"]) for line in restarted] == [
-        (1, 2, "resync")
-    ]
+    assert log_fields(logs, "publisher restarted", "seq", "last", "counted") == [(1, 2, "resync")]
 
 
 def test_a_jump_after_a_throttled_restart_counts_a_resync(

@@ -57,11 +57,11 @@ def replay_streams(
     ends (unless ``stop`` ended it), before anything is sent: a replay at the recorded pace may
     take hours to finish.
     """
-    results = [
-        StreamReplay(endpoint, resets=sum(1 for record in records if record.reset is not None))
-        for endpoint, records in streams
-    ]
     messages = [[record for record in records if record.reset is None] for _, records in streams]
+    results = [
+        StreamReplay(endpoint, resets=len(records) - len(sent))
+        for (endpoint, records), sent in zip(streams, messages, strict=True)
+    ]
     with contextlib.ExitStack() as sockets:
         publishers = [
             sockets.enter_context(Publisher(endpoint, bind=bind)) for endpoint, _ in streams

@@ -18,7 +18,7 @@ from kvbridge.adapters.subscriber import (
     DEFAULT_REPLAY_TIMEOUT_S,
     Subscriber,
 )
-from support.polling import TIMEOUT, wait_until
+from support.polling import TIMEOUT, poll_until, receive, wait_until
 
 BS = 4
 """The block size of the relays made here."""
@@ -114,3 +114,21 @@ def deliver(relay: Relay, source: Source, seq: int) -> None:
         lambda: relay.step(20),
         lambda: f"seq {seq} never arrived",
     )
+
+
+def suspend_after_two_losses(
+    subscriber: Subscriber, engine: Publisher, source: Source, lost: int
+) -> list[Message | StreamReset]:
+    """Batch 0, then twice ``lost`` batches into the engine's buffer only, each followed by a
+    batch that shows the gap: the first loss takes the stream's one clear token, the second
+    finds none and suspends the stream. What the subscriber handed out meanwhile."""
+    engine.publish(b"old 0")
+    items = receive(subscriber, 1)
+    for lost_from in (1, 2 + lost):
+        for seq in range(lost_from, lost_from + lost):
+            engine.publish(b"old %d" % seq, send=False)
+        engine.publish(b"old %d" % (lost_from + lost))
+        if lost_from == 1:  # until the first gap's replay is over
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 1 + lost)
+    items += poll_until(subscriber, lambda: subscriber.suspended(source))
+    return items

@@ -142,14 +142,13 @@ def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
         keyed.append(((run, last if seq is None else seq, position), record))
     keyed.sort(key=lambda item: item[0])
     kept: list[FrameRecord] = []
-    seen: set[tuple[int, int]] = set()
+    sent: set[tuple[int, int]] = set()
     for (run_of, _, _), record in keyed:
-        seq = record.seq
-        if seq is not None and (run_of, seq) in seen:
-            continue
-        if seq is not None:
-            seen.add((run_of, seq))
-        kept.append(record)
+        batch = None if record.seq is None else (run_of, record.seq)
+        if batch not in sent:
+            kept.append(record)
+            if batch is not None:
+                sent.add(batch)
     return kept
 
 
