@@ -24,7 +24,11 @@ from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
 from kvbridge.adapters.source import Message, Source
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
-from kvbridge.adapters.subscriber import Subscriber
+from kvbridge.adapters.subscriber import MAXMSGSIZE_MARGIN, Subscriber
+
+HUGE = b"z" * (1024 + MAXMSGSIZE_MARGIN + 1)
+"""A batch past the ``MAXMSGSIZE`` of a subscriber whose ``max_frame_bytes`` is 1,024: ZMQ
+refuses it by dropping the connection."""
 
 
 class ScriptedReplay:
@@ -286,4 +290,118 @@ def test_a_start_over_replays_only_the_run_after_the_last_hole(
         lost=3,
         resyncs=1,
         bad_frames=Counter({BadFrame.THROTTLED: 1}),
+    )
+
+
+def test_a_batch_past_maxmsgsize_in_the_engines_buffer_is_asked_past(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int
+) -> None:
+    """Batch 1 is past ``MAXMSGSIZE``: ZMQ refuses it live, dropping the SUB's connection, and
+    again in the publisher check's replay, dropping the DEALER's. The replay is asked again
+    from batch 2, so the batches after the refused one that the engine holds (2 and 3, never
+    sent live) come through: batch 1 alone is lost, and counted ``refused``."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_on(ctx, base)() as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(HUGE)
+        for seq in (2, 3):
+            engine.publish(b"batch %d" % seq, send=False)
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 3)
+        engine.publish(b"batch 4")
+        items += receive(subscriber, 1)
+        stats = deepcopy(subscriber.stats)
+
+    assert shape(items) == [(0, False), ("lost", 1), (2, True), (3, True), (4, False)]
+    assert [item.payload for item in items if isinstance(item, Message)] == [
+        b"batch 0",
+        b"batch 2",
+        b"batch 3",
+        b"batch 4",
+    ]
+    assert stats == SubscriberStats(
+        messages=2,
+        gaps=1,
+        disconnects=1,
+        reconnect_checks=1,
+        replays=2,
+        replayed=2,
+        lost=1,
+        bad_frames=Counter({BadFrame.REFUSED: 1}),
+    )
+
+
+def test_refused_batches_in_a_gaps_answer_are_losses_at_their_place(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """A gap of 1..4 whose answer holds two batches past ``MAXMSGSIZE``, 2 and 4 (the last
+    before the live batch that showed the gap). Each refusal drops the DEALER's connection,
+    and the replay is asked again from the batch after it, on a new connection: 1 and 3 are
+    delivered, with a ``"lost"`` reset at the place of each refused batch."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 5", seq=5)
+        items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+        asked = []
+        for answer in ([(1, b"batch 1"), (2, HUGE), (3, b"batch 3")], [(3, b"batch 3"), (4, HUGE)]):
+            identity, start = replay.request()
+            asked.append(start)
+            replay.answer(identity, answer)
+            items += poll_until(subscriber, lambda: replay.socket.poll(0))  # asked again
+        identity, start = replay.request()
+        asked.append(start)
+        replay.answer(identity, [(5, b"batch 5")])
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 5)
+        stats = deepcopy(subscriber.stats)
+
+    assert asked == [1, 3, 5]
+    assert shape(items) == [(0, False), (1, True), ("lost", 1), (3, True), ("lost", 1), (5, True)]
+    assert stats == SubscriberStats(
+        messages=2,
+        gaps=1,
+        replays=3,
+        replayed=3,
+        duplicates=1,
+        lost=2,
+        bad_frames=Counter({BadFrame.REFUSED: 2}),
+    )
+
+
+def test_a_replay_endpoint_gone_mid_answer_is_no_refusal(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """The replay endpoint closes after the first batch of its answer. ZMQ drops the DEALER's
+    connection as it does for a refused batch, but then tries to connect again: the answer
+    times out as any unanswered one, and no batch is taken for refused."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024, replay_timeout=1.0) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 5", seq=5)
+        items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+        identity, start = replay.request()
+        assert start == 1
+        replay.socket.send_multipart(answer_frames(identity, b"", 1, b"batch 1", topic_frame=True))
+        time.sleep(0.2)
+        replay.close()
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 5)
+        stats = deepcopy(subscriber.stats)
+
+    assert shape(items) == [(0, False), (1, True), ("lost", 3), (5, False)]
+    assert stats == SubscriberStats(
+        messages=2, gaps=1, replays=1, replayed=1, replay_timeouts=1, lost=3
     )

@@ -47,6 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, should_bind
+from kvbridge.adapters.monitors import close_monitor
 from kvbridge.adapters.replay_buffer import ReplayBuffer, SnapshotProvider
 from kvbridge.adapters.replay_server import AnswerCut, ReplaySocket, last_endpoint
 
@@ -348,10 +349,9 @@ class Publisher(ClosedOnExit):
 
     def _close_sockets(self) -> None:
         if self._pub is not None and self._monitor is not None:
-            self._pub.disable_monitor()
-        for sock in (self._monitor, self._pub):
-            if sock is not None:
-                sock.close(linger=0)
+            close_monitor(self._pub, self._monitor)
+        if self._pub is not None:
+            self._pub.close(linger=0)
         self._pub = None
         self._monitor = None
         if self._replays is not None:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from kvbridge.adapters.replay_client import Fetch, ReplayClient, Replaying, run_before
+from kvbridge.adapters.replay_answer import Fetch, run_before
+from kvbridge.adapters.replay_client import ReplayClient, Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 

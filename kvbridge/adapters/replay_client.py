@@ -19,6 +19,16 @@ frames). Its uses, and the bounds on one answer:
   read [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is
   discarded (``replay_truncated``, the DEALER closed so that its tail is not read as the next
   answer) and what it held counts as lost;
+- **refused batches**: a batch past ``MAXMSGSIZE`` (``max_frame_bytes`` and a margin) is
+  refused by ZMQ, which drops the DEALER's connection and with it the rest of the answer (see
+  :mod:`~kvbridge.adapters.replay_answer`). The batch is counted (``refused``) and the rest
+  asked for again, from the batch after it, on a new DEALER, within the same deadline: the
+  refused batch is a loss at its place, and the engine's batches after it still come. (A
+  batch refused live drops the SUB's connection, and the publisher check's replay meets it
+  again.) A refusal before the answer's first frame falls on the first batch the engine holds
+  from the request's start, taken to be that start: if the engine no longer holds it, each
+  ask from one later is refused again until the asks pass the refused batch or time runs
+  out;
 - **back-off** after a timeout: while a replay waits for its answer, its source is not read
   (the others are, see :mod:`~kvbridge.adapters.replays_in_flight`). So after a replay of a
   source times out, that source's replays are not asked for (``replays_skipped``, their
@@ -36,7 +46,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from typing import Final, TypeAlias, TypeVar
 
 import zmq
@@ -44,6 +54,8 @@ import zmq
 from kvbridge._backoff import doubling_backoff_s
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.monitors import close_monitor, monitor_events
+from kvbridge.adapters.replay_answer import WATCHED, Answer, Fetch, Replayed, run_before
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -53,11 +65,8 @@ __all__ = [
     "DEFAULT_REPLAY_MAX_BYTES",
     "DEFAULT_REPLAY_MAX_MESSAGES",
     "REPLAY_BACKOFF_MAX_S",
-    "Answer",
-    "Fetch",
     "ReplayClient",
     "Replaying",
-    "run_before",
 ]
 
 DEFAULT_REPLAY_MAX_MESSAGES: Final = 100_000
@@ -66,67 +75,11 @@ REPLAY_BACKOFF_MAX_S: Final = 60.0
 """The longest a source's replays are skipped after timeouts in a row."""
 
 
-@dataclass(frozen=True, eq=False)
-class Fetch:
-    """A replay that a stream's sequencing waits for: every batch of ``stream`` from
-    ``start``. The sequencing yields it and is sent the batches that came (:data:`Replaying`).
-    """
-
-    stream: StreamState
-    start: int
-    in_back_off: bool = False
-    """Asked for within the source's back-off too (the publisher check)."""
-
-
-class Replayed(list[Message]):
-    """The batches a replay answer delivered, and whether it was :attr:`whole`."""
-
-    def __init__(self, messages: list[Message], *, whole: bool) -> None:
-        super().__init__(messages)
-        self.whole = whole
-        """It came to its end marker with every batch it held: not timed out, not cut at its
-        bounds, no batch skipped, and asked for at all. Batches after the last of an answer
-        that is not whole may be missing."""
-
-
 _T = TypeVar("_T")
 Replaying: TypeAlias = Generator[Fetch, Replayed, _T]
 """Sequencing that may wait for replays: a generator that yields each :class:`Fetch`, is sent
 its batches, and returns its result. Whoever drives it sends the requests and reads the
 answers alongside everything else (see :mod:`~kvbridge.adapters.replays_in_flight`)."""
-
-
-@dataclass(eq=False)
-class Answer:
-    """A replay request sent, and its answer as read so far."""
-
-    stream: StreamState
-    start: int
-    dealer: zmq.Socket[bytes]
-    deadline: float
-    """When it times out (``time.monotonic()``)."""
-    messages: list[Message] = field(default_factory=list)
-    size: int = 0
-    """Payload bytes read."""
-    cut: bool = False
-    """Its bounds were reached: the rest was not read."""
-    skipped: bool = False
-    """A frame of it was skipped (not a batch, or too big)."""
-
-
-def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:
-    """Of the batches ``start .. end - 1`` in a replay ``answer``, the run that ends at
-    ``end - 1`` unbroken (see :meth:`ReplayClient.run_before`)."""
-    run: list[Message] = []
-    for message in answer:
-        if message.seq >= end:
-            break
-        if message.seq < start or (run and message.seq <= run[-1].seq):
-            continue  # not asked for, or out of order
-        if run and message.seq != run[-1].seq + 1:
-            run = []
-        run.append(message)
-    return run if run and run[-1].seq == end - 1 else []
 
 
 @dataclass(eq=False)
@@ -196,10 +149,10 @@ class ReplayClient:
         live_seq: int | None,
         replayed: Replayed | None = None,
     ) -> Replaying[list[Message | StreamReset]]:
-        """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``) from the
-        replay socket, unless ``replayed`` is an answer already fetched from ``start`` or
-        before. Whatever it cannot deliver is lost: a :class:`StreamReset` goes out at the point
-        of the loss, in stream order.
+        """Fetch ``start .. live_seq - 1`` (or everything buffered, without ``live_seq``, up to
+        the answer's :attr:`~Replayed.end`) from the replay socket, unless ``replayed`` is an
+        answer already fetched from ``start`` or before. Whatever it cannot deliver is lost: a
+        :class:`StreamReset` goes out at the point of the loss, in stream order.
 
         A loss of more than ``max_gap`` batches (from the start of a stream whose first batch is
         far past 0, as a relay's are, or a replay answering with such a batch) is a resync, with
@@ -208,10 +161,11 @@ class ReplayClient:
         at its lower bound: that clear covers it. A loss that finds no clear token suspends the
         stream and ends the recovery there (the live message that led here counts the skip).
 
-        Without ``live_seq``, an answer that is not :attr:`~Replayed.whole` (it timed out, was
-        cut, or skipped a batch) may have missed batches after its last, whose removals would
-        leave blocks stale downstream until the source's next message showed the gap: the
-        stream is cleared after what it delivered, a loss of unknown size."""
+        Without ``live_seq``, an answer that is not :attr:`~Replayed.whole` and whose
+        :attr:`~Replayed.end` is unknown (it timed out, was cut, or skipped a frame of no known
+        batch) may have missed batches after its last, whose removals would leave blocks stale
+        downstream until the source's next message showed the gap: the stream is cleared after
+        what it delivered, a loss of unknown size."""
         if replayed is None:
             replayed = (
                 (yield Fetch(stream, start))
@@ -220,10 +174,11 @@ class ReplayClient:
             )
         out: list[Message | StreamReset] = []
         expected = start
+        stop = replayed.end if live_seq is None else live_seq
         for message in [*replayed, None]:
-            if message is None and live_seq is None:
+            if message is None and stop is None:
                 break
-            seq = live_seq if message is None else message.seq
+            seq = stop if message is None else message.seq
             assert seq is not None
             if seq < expected:
                 continue  # already delivered
@@ -252,7 +207,7 @@ class ReplayClient:
             stream.replayed_through = max(stream.replayed_through, seq)
             self.stats.replayed += 1
             out.append(message)
-        if live_seq is None and not replayed.whole and stream.last is not None:
+        if stop is None and not replayed.whole and stream.last is not None:
             self._lose_the_tail(stream, out)
         return out
 
@@ -289,10 +244,22 @@ class ReplayClient:
         if not fetch.in_back_off and time.monotonic() < stream.replay_resumes_at:
             self.stats.replays_skipped += 1
             return None
+        sent = self._ask(stream, fetch.start)
+        if sent is None:
+            return None
+        return Answer(stream, fetch.start, *sent, deadline=time.monotonic() + self.timeout)
+
+    def _ask(
+        self, stream: StreamState, start: int
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None:
+        """Send a request for every batch of ``stream`` from ``start`` (counted in
+        ``replays``) on the source's DEALER: the DEALER and its monitor, or ``None`` if it
+        cannot be sent (counted and backed off as a timeout)."""
         self.stats.replays += 1
         try:
-            dealer = self._dealer(stream)
-            dealer.send_multipart(request_frames(fetch.start), zmq.NOBLOCK)
+            dealer, monitor = self._dealer(stream)
+            monitor_events(monitor)  # a drop before the request says nothing of its answer
+            dealer.send_multipart(request_frames(start), zmq.NOBLOCK)
         except zmq.ZMQError as error:  # no socket to be had, or its queue full: unanswered
             endpoint = stream.source.replay_endpoint
             self.warn("replay not sent", (endpoint,), stream=endpoint, error=str(error))
@@ -300,12 +267,36 @@ class ReplayClient:
             self.close_dealer(stream)
             self._back_off(stream)
             return None
-        return Answer(stream, fetch.start, dealer, time.monotonic() + self.timeout)
+        return dealer, monitor
 
     def read(self, answer: Answer) -> bool:
-        """Read what has arrived of ``answer``, without waiting; whether it is whole: its end
+        """Read what has arrived of ``answer``, without waiting; whether it is over: its end
         marker came, or its bounds were reached (``max_messages`` batches, ``max_bytes`` of
-        payload), past which the rest is discarded and counts as lost (``replay_truncated``)."""
+        payload), past which the rest is discarded and counts as lost (``replay_truncated``),
+        or a batch of it was refused and what follows could not be asked for (see the module's
+        "refused batches"). After a refusal, ``answer`` reads a new DEALER."""
+        if self._read_frames(answer):
+            return True
+        answer.watch()
+        return answer.refused() and not self._ask_past_refused(answer)
+
+    def _ask_past_refused(self, answer: Answer) -> bool:
+        """Count the batch of ``answer`` that ZMQ refused and ask for those after it on a new
+        DEALER; whether they were asked for (if not, the answer is cut there)."""
+        stream, refused = answer.stream, answer.next_seq
+        stream.skip_frame(self.stats, self.warn, BadFrame.REFUSED, refused)
+        answer.skipped = True
+        self.close_dealer(stream)  # ZMQ does not connect it again after a refusal
+        sent = None if refused is None else self._ask(stream, refused + 1)
+        if sent is None:
+            answer.cut = True
+            return False
+        answer.asked_past(*sent)
+        return True
+
+    def _read_frames(self, answer: Answer) -> bool:
+        """Read the frames of ``answer`` that have arrived; whether it came to its end marker
+        or its bounds."""
         stream = answer.stream
         source = stream.source
         expected_topic = source.topic.encode()
@@ -318,16 +309,20 @@ class ReplayClient:
             if parsed is None:
                 stream.skip_frame(self.stats, self.warn, BadFrame.REPLAY_FRAME_COUNT)
                 answer.skipped = True
+                answer.took(None)
                 continue
             topic, seq_frame, payload = parsed
             stream.replay_failures = 0  # it answers
             if seq_frame == END_SEQ or not payload:
+                answer.ended = True
                 return True
             if len(seq_frame) != 8:
                 stream.skip_frame(self.stats, self.warn, BadFrame.BAD_SEQ)
                 answer.skipped = True
+                answer.took(None)
                 continue
             seq = int.from_bytes(seq_frame, "big")
+            answer.took(seq)
             if len(payload) > self.max_frame_bytes:
                 stream.skip_frame(self.stats, self.warn, BadFrame.OVERSIZED, seq)
                 answer.skipped = True
@@ -360,11 +355,11 @@ class ReplayClient:
             self._back_off(stream)
         if timed_out or answer.cut:
             self.close_dealer(stream)
-        return Replayed(answer.messages, whole=not (timed_out or answer.cut or answer.skipped))
+        return answer.replayed(timed_out=timed_out)
 
-    def _dealer(self, stream: StreamState) -> zmq.Socket[bytes]:
-        """The source's replay DEALER, opened on its first replay."""
-        if stream.dealer is None:
+    def _dealer(self, stream: StreamState) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """The source's replay DEALER and its monitor, opened on its first replay."""
+        if stream.dealer is None or stream.dealer_monitor is None:
             source = stream.source
             assert source.replay_endpoint is not None
             dealer = self.context.socket(zmq.DEALER)
@@ -373,9 +368,9 @@ class ReplayClient:
             dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
             address = loopback(source.replay_endpoint)
             allow_ipv6(dealer, address)
+            stream.dealer, stream.dealer_monitor = dealer, dealer.get_monitor_socket(WATCHED)
             dealer.connect(address)
-            stream.dealer = dealer
-        return stream.dealer
+        return stream.dealer, stream.dealer_monitor
 
     def _back_off(self, stream: StreamState) -> None:
         """Skip the replays of ``stream`` for a while after a timeout (see the module's
@@ -396,5 +391,7 @@ class ReplayClient:
         """Close the replay socket this client opened for ``stream``, if any; the next
         :meth:`begin` opens a new one."""
         if stream.dealer is not None:
+            if stream.dealer_monitor is not None:
+                close_monitor(stream.dealer, stream.dealer_monitor)
             stream.dealer.close(0)
-            stream.dealer = None
+        stream.dealer = stream.dealer_monitor = None

@@ -28,7 +28,8 @@ from typing import Final
 import zmq
 
 from kvbridge.adapters.repairs import repair
-from kvbridge.adapters.replay_client import Answer, Fetch, ReplayClient, Replayed, Replaying
+from kvbridge.adapters.replay_answer import Answer, Fetch, Replayed
+from kvbridge.adapters.replay_client import ReplayClient, Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
@@ -52,7 +53,7 @@ class ReplaysInFlight:
         self._waiting: dict[StreamState, tuple[Sequencing, Fetch]] = {}
         self._queued: deque[StreamState] = deque()
         """Streams whose request waits for a turn, first come first."""
-        self._answers: dict[zmq.Socket[bytes], Answer] = {}
+        self._answers: dict[StreamState, Answer] = {}
 
     def waiting(self, stream: StreamState) -> bool:
         """Whether ``stream`` waits for a replay: its messages are not to be read yet."""
@@ -72,10 +73,11 @@ class ReplaysInFlight:
                 self.run(stream, repair(self.client, stream), out)
 
     def wait_ms(self, timeout_ms: int, streams: Iterable[StreamState]) -> int:
-        """``timeout_ms`` (negative: no bound), or less: until the first answer's deadline, or
-        the first time one of ``streams`` has something to do (:meth:`StreamState.due_at`;
-        a repair waits for no time while the stream waits for a replay)."""
-        deadlines = [answer.deadline for answer in self._answers.values()]
+        """``timeout_ms`` (negative: no bound), or less: until the first answer is due a look
+        (:meth:`Answer.wake_at`: its deadline, or the end of a drop's grace), or the first
+        time one of ``streams`` has something to do (:meth:`StreamState.due_at`; a repair
+        waits for no time while the stream waits for a replay)."""
+        deadlines = [answer.wake_at() for answer in self._answers.values()]
         deadlines += [
             due
             for stream in streams
@@ -88,25 +90,35 @@ class ReplaysInFlight:
         return until if timeout_ms < 0 else min(timeout_ms, until)
 
     def read(self, ready: set[zmq.Socket[bytes]], out: list[Message | StreamReset]) -> None:
-        """Read the answers whose DEALER is in ``ready``, end those that are whole or past
-        their deadline, and resume their streams (items onto ``out``), then send what waits
-        for a turn."""
+        """Read the answers whose DEALER or its monitor is in ``ready`` (or that are due a
+        look, :meth:`Answer.wake_at`), end those that are over or past their deadline, and
+        resume their streams (items onto ``out``), then send what waits for a turn."""
         now = time.monotonic()
-        for dealer, answer in list(self._answers.items()):
+        for stream, answer in list(self._answers.items()):
             late = answer.deadline <= now  # what came by now still counts
-            whole = (dealer in ready or late) and self.client.read(answer)
-            if whole or late:
-                self.poller.unregister(dealer)
-                del self._answers[dealer]
-                messages = self.client.end(answer, timed_out=not whole)
-                work, _ = self._waiting.pop(answer.stream)
-                self._resume(answer.stream, work, messages, out)
+            sockets = answer.sockets
+            due = late or answer.wake_at() <= now or not ready.isdisjoint(sockets)
+            over = due and self.client.read(answer)
+            if answer.sockets != sockets:  # asked again past a refused batch
+                self._watch(sockets, 0)
+                self._watch(answer.sockets, zmq.POLLIN)
+            if over or late:
+                self._watch(answer.sockets, 0)
+                del self._answers[stream]
+                messages = self.client.end(answer, timed_out=not over)
+                work, _ = self._waiting.pop(stream)
+                self._resume(stream, work, messages, out)
         self._send_queued(out)
+
+    def _watch(self, sockets: Iterable[zmq.Socket[bytes]], flags: int) -> None:
+        """Poll ``sockets`` for ``flags`` (0: no longer)."""
+        for socket in sockets:
+            self.poller.register(socket, flags)
 
     def close(self) -> None:
         """Forget every wait; the subscriber closes the DEALERs."""
-        for dealer in self._answers:
-            self.poller.unregister(dealer)
+        for answer in self._answers.values():
+            self._watch(answer.sockets, 0)
         self._answers.clear()
         self._waiting.clear()
         self._queued.clear()
@@ -149,5 +161,5 @@ class ReplaysInFlight:
                 del self._waiting[stream]
                 self._resume(stream, work, Replayed([], whole=False), out)
                 continue
-            self._answers[answer.dealer] = answer
-            self.poller.register(answer.dealer, zmq.POLLIN)
+            self._answers[stream] = answer
+            self._watch(answer.sockets, zmq.POLLIN)

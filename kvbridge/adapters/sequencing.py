@@ -52,7 +52,8 @@ import structlog
 
 from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_client import ReplayClient, Replayed, Replaying, run_before
+from kvbridge.adapters.replay_answer import Replayed, run_before
+from kvbridge.adapters.replay_client import ReplayClient, Replaying
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
@@ -217,12 +218,16 @@ class Sequencer:
             return (yield from self.replay.recover(stream, 0, None))
         same, answer = yield from self.replay.check_publisher(stream, last)
         if same:
-            missed = next((message.seq for message in answer if message.seq > last), None)
-            if missed is not None:  # a gap, as a live batch past it would have shown
+            reached = max(answer.end or 0, answer[-1].seq + 1 if answer else 0)
+            if reached > last + 1:  # a gap, as a live batch past it would have shown
                 self.stats.gaps += 1
                 endpoint = stream.source.endpoint
                 self.info(
-                    "batches missed while disconnected", (endpoint,), stream=endpoint, first=missed
+                    "batches missed while disconnected",
+                    (endpoint,),
+                    stream=endpoint,
+                    first=last + 1,
+                    through=reached - 1,
                 )
             return (yield from self.replay.recover(stream, last + 1, None, answer))
         if same is False:

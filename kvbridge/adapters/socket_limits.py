@@ -1,7 +1,7 @@
 """How many ZMQ sockets and file descriptors a relay may open, raised to what its sources need,
 and how many messages each output's PUB queues for a consumer that does not read.
 
-A relay of a thousand sources opens eight thousand sockets, past ZMQ's default of 1,023 a
+A relay of a thousand sources opens ten thousand sockets, past ZMQ's default of 1,023 a
 context and the usual soft limit of 1,024 file descriptors a process.
 """
 
@@ -20,9 +20,9 @@ __all__ = [
     "raise_limits",
 ]
 
-SOCKETS_PER_SOURCE: Final = 8
-"""ZMQ sockets a relayed source can use: SUB, its monitor (2), replay DEALER; PUB, its monitor
-(2), replay ROUTER."""
+SOCKETS_PER_SOURCE: Final = 10
+"""ZMQ sockets a relayed source can use: SUB, its monitor (2), replay DEALER, its monitor (2);
+PUB, its monitor (2), replay ROUTER."""
 SOCKET_HEADROOM: Final = 64
 
 

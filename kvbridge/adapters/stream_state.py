@@ -35,6 +35,7 @@ class StreamState:
         "clear_burst",
         "clear_interval",
         "dealer",
+        "dealer_monitor",
         "jumped_to",
         "last",
         "last_payload",
@@ -102,6 +103,8 @@ class StreamState:
         self.dealer: zmq.Socket[bytes] | None = None
         """The replay DEALER: the subscriber's ``ReplayClient`` opens it on the first replay and
         closes it."""
+        self.dealer_monitor: zmq.Socket[bytes] | None = None
+        """The replay DEALER's monitor, opened and closed with it."""
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
         self.last_payload = b""

@@ -55,6 +55,10 @@ class BadFrame(StrEnum):
     counted ``lost``. After a jump, the stream is resynced and nothing is counted lost."""
     REPLAY_FRAME_COUNT = "replay_frame_count"
     """A replay answer of neither layout."""
+    REFUSED = "refused"
+    """A replayed batch past ``MAXMSGSIZE``, which ZMQ refused by dropping the replay's
+    connection (see the replay client's "refused batches"). One refused live drops the SUB's
+    connection instead (``disconnects``)."""
     SCHEMA = "schema"
     """A payload that does not decode (counted by the pipeline)."""
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Final, NamedTuple
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
+
+from kvbridge.adapters.monitors import monitor_events
 
 __all__ = [
     "HEARTBEAT_IVL_MS",
@@ -76,8 +77,8 @@ class ConnectionEvents(NamedTuple):
 def read_events(monitor: zmq.Socket[bytes]) -> ConnectionEvents:
     """Every event ``monitor`` holds, read without waiting."""
     drops, connected = 0, False
-    while (frames := recv_frames(monitor)) is not None:
-        if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+    for event in monitor_events(monitor):
+        if event == zmq.EVENT_DISCONNECTED:
             drops, connected = drops + 1, False
         else:
             connected = True

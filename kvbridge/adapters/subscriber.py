@@ -58,7 +58,6 @@ Limits, so that no input can take the subscriber's memory or time (defaults in b
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterable
@@ -70,6 +69,7 @@ import zmq
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
+from kvbridge.adapters.monitors import close_monitor
 from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_BYTES,
     DEFAULT_REPLAY_MAX_MESSAGES,
@@ -265,9 +265,7 @@ class Subscriber(ClosedOnExit):
         if stream.monitor is not None:
             self._poller.unregister(stream.monitor)
             del self._monitors[stream.monitor]
-            with contextlib.suppress(zmq.ZMQError):
-                stream.socket.disable_monitor()
-            stream.monitor.close(0)
+            close_monitor(stream.socket, stream.monitor)
             stream.monitor = None
         self._poller.register(stream.socket, 0)  # unregistered, if it is registered
         del self._streams[stream.socket]
