@@ -319,7 +319,8 @@ def test_a_restart_reset_starts_the_engine_order_anew_and_a_repair_is_sent_once(
     """An engine restarts while recorded: the new process's first batches come through the
     replay socket after the ``restart`` reset, then a repair delivers its batches again.
     Ordered by seq alone, the new process's batches 0-1 would go between the old one's; the
-    reset starts a run of their own, and each batch of a run is sent once."""
+    reset starts a run of their own (and is kept, to clear the worker through kvbridge), each
+    batch of a run is sent once, and the repair's reset is left out."""
     capture = tmp_path / "restarted.kvcap"
     endpoint = "tcp://w0"
     received = [
@@ -338,9 +339,52 @@ def test_a_restart_reset_starts_the_engine_order_anew_and_a_repair_is_sent_once(
                 stream=("replay:" if replayed else "") + endpoint,
             )
     (stream,), _ = load_streams([str(capture)], 4, None)
-    assert [record.frames[2] for record in stream.records] == [
-        b"old0", b"old1", b"old2", b"new0", b"new1", b"new2", b"new3"
+    sent = [record.reset.reason if record.reset else record.frames[2] for record in stream.records]
+    assert sent == [
+        b"old0", b"old1", b"old2", "restart", b"new0", b"new1", b"new2", b"new3"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("recorded_reset", [True, False], ids=["reset record", "seq back"])
+@pytest.mark.parametrize("new_seqs", [[0, 1, 2], [0, 1, 2, 3, 4]], ids=["below", "past"])
+def test_a_restarted_engine_is_cleared_bridged_and_ignored_alone(
+    tmp_path: Path, recorded_reset: bool, new_seqs: list[int]
+) -> None:
+    """An engine stores one block a batch, seqs 0-3, and restarts: the new process stores one
+    a batch again from seq 0. Through kvbridge the restart clears the worker (the capture's
+    ``restart`` record, or in a capture without resets the live seq going back). Dynamo alone
+    keeps the old process's 4 blocks (stale) and ignores the new process's batches until its
+    seq passes 3 (missing): a batch at seq 4 is applied on both sides. A new process whose
+    last seq is below the old one's still gets its sentinel seen (sent past the old last)."""
+    capture = tmp_path / "restart.kvcap"
+    endpoint = "tcp://w0"
+
+    def batch(seq: int, token: int) -> list[bytes]:
+        store = BlockStored([100 + token], None, [token] * 4, 4, None, "GPU", None)
+        return [b"", seq.to_bytes(8, "big"), encode_batch(VllmBatch(1.0, [store], 0), LAYOUT)]
+
+    with CaptureWriter(capture, meta={"block_size": 4}) as writer:
+        for seq in range(4):
+            writer.write(batch(seq, seq), stream=endpoint)
+        if recorded_reset:
+            writer.write_reset(StreamReset(Source(endpoint, worker_id=0), "restart"))
+        for seq in new_seqs:
+            writer.write(batch(seq, 10 + seq), stream=endpoint)
+    comparison = compare_captures([capture])
+    passed = [seq for seq in new_seqs if seq > 3]
+    ignored = len(new_seqs) - len(passed)
+    assert blocks(comparison) == [
+        (
+            0,
+            0,
+            "device",
+            4 + len(passed),
+            len(new_seqs),
+            {"engine_restart": ignored},
+            {"engine_restart": 4},
+        )
+    ]
+    assert comparison.causes == {"engine_restart": ignored + 4}
 
 
 def test_a_worker_in_two_captures_is_refused() -> None:

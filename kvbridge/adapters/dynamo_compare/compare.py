@@ -2,9 +2,12 @@
 
 Each record goes byte for byte to the *alone* side and through a
 :class:`~kvbridge.adapters.pipeline.StreamPipeline` to the *bridged* side, in the order of
-receipt over all streams. Both sides are then read the same way, by content (see the package's
-docstring), and each block on one side only is given the cause the ledger knows, or that of its
-nearest differing ancestor, since Dynamo drops a store whose parent it lacks.
+receipt over all streams. A restart record goes to the pipeline alone, which clears the worker
+as the relay does; the raw stream only starts over, and Dynamo's listener ignores the new
+process's batches until their seq passes the old process's last. Both sides are then read the
+same way, by content (see the package's docstring), and each block on one side only is given
+the cause the ledger knows, or that of its nearest differing ancestor, since Dynamo drops a
+store whose parent it lacks.
 """
 
 from __future__ import annotations
@@ -98,10 +101,11 @@ def _summary(
 
 def _replay(streams: Sequence[Stream], alone: Side, bridged: Side) -> Ledger:
     """Send every record raw to one side and through the pipeline to the other, in the order
-    of receipt over all streams (each stream's own order kept); the ledger follows the raw
-    events. Before the first record of another capture, the raw side waits until Dynamo has
-    applied the streams sent so far (:meth:`Side.sync`), so that the engine whose batches came
-    first is the first writer in Dynamo too, whatever its listeners' timing."""
+    of receipt over all streams (each stream's own order kept), a restart to the pipeline only;
+    the ledger follows the raw events, and which of them Dynamo's listener ignores. Before the
+    first record of another capture, the raw side waits until Dynamo has applied the streams
+    sent so far (:meth:`Side.sync`), so that the engine whose batches came first is the first
+    writer in Dynamo too, whatever its listeners' timing."""
     ledger = Ledger({stream.worker_id: stream.block_size for stream in streams})
     pipelines: dict[str, StreamPipeline] = {}
     for index, stream in enumerate(streams):
@@ -110,23 +114,30 @@ def _replay(streams: Sequence[Stream], alone: Side, bridged: Side) -> Ledger:
         pipeline.add_source(record_source(stream.records[0]), sink)
     sent: dict[int, int] = {}
     """Streams of the capture being replayed, sent since the last sync: {index: worker_id}."""
+    ranks: list[set[int]] = [set() for _ in streams]
+    """The dp ranks each stream's batches named, which a restart clears."""
     capture: str | None = None
     for index, record in in_receipt_order([stream.records for stream in streams]):
-        if not record.frames:
-            continue
         stream = streams[index]
+        pipeline = pipelines[stream.capture]
+        if record.reset is not None:  # a restart: the raw stream just starts over
+            ledger.restart(stream.worker_id, ranks[index])
+            pipeline.feed_record(record)
+            continue
         if stream.capture != capture:
             if sent:
                 alone.sync(sent)
                 sent = {}
             capture = stream.capture
         sent[index] = stream.worker_id
-        alone.send_recorded(index, record.frames, record.seq)
+        applied = alone.send_recorded(index, record.frames, record.seq)
         batch = decoded(record)
         if batch is not None:
-            ledger.observe(stream.worker_id, batch)
-            alone.last_rank[index] = bridged.last_rank[index] = batch.data_parallel_rank or 0
-        pipelines[stream.capture].feed_record(record, decoded=batch)
+            ledger.observe(stream.worker_id, batch, passed=not applied)
+            rank = batch.data_parallel_rank or 0
+            ranks[index].add(rank)
+            alone.last_rank[index] = bridged.last_rank[index] = rank
+        pipeline.feed_record(record, decoded=batch)
     return ledger
 
 

@@ -63,20 +63,36 @@ class Ledger:
         self.missing: dict[Key, Cause] = {}
         self.stale: dict[Key, Cause] = {}
 
-    def observe(self, worker_id: int, batch: VllmBatch) -> None:
-        """One raw batch of a worker, in stream order."""
+    def observe(self, worker_id: int, batch: VllmBatch, *, passed: bool = False) -> None:
+        """One raw batch of a worker, in stream order; ``passed``: its seq is one Dynamo's
+        listener has passed, so it ignores the batch (see :meth:`restart`)."""
         rank = batch.data_parallel_rank or 0
-        rejected = _has_bytes_hashes(batch)
+        ignored = Cause.BYTES_HASHES if _has_bytes_hashes(batch) else None
+        if passed:
+            ignored = Cause.ENGINE_RESTART
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._stored(worker_id, rank, event, rejected)
+                self._stored(worker_id, rank, event, ignored)
             elif isinstance(event, BlockRemoved):
-                self._removed(worker_id, rank, event, rejected)
+                self._removed(worker_id, rank, event, ignored)
             elif isinstance(event, AllBlocksCleared):
-                for counted in [k for k in self.counts if k[:2] == (worker_id, rank)]:
-                    del self.counts[counted]
+                self._clear(worker_id, {rank}, ignored)
 
-    def _stored(self, worker: int, rank: int, event: BlockStored, rejected: bool) -> None:
+    def restart(self, worker_id: int, ranks: set[int]) -> None:
+        """The engine of these ranks of a worker restarted: kvbridge clears them, and Dynamo
+        keeps every block the old process left, and ignores the new one's batches until its
+        sequence passes the old one's last (:meth:`observe`'s ``passed``)."""
+        self._clear(worker_id, ranks, Cause.ENGINE_RESTART)
+
+    def _clear(self, worker: int, ranks: set[int], ignored: Cause | None) -> None:
+        """kvbridge forgets the blocks of these ranks; Dynamo keeps them if it ignores the
+        clear (for ``ignored``)."""
+        for counted in [k for k in self.counts if k[0] == worker and k[1] in ranks]:
+            del self.counts[counted]
+            if ignored is not None:
+                self.stale[counted] = ignored
+
+    def _stored(self, worker: int, rank: int, event: BlockStored, ignored: Cause | None) -> None:
         tier = tier_for_medium(event.medium)
         size = self.block_sizes[worker]
         if tier is None or (not event.is_placeholder and event.block_size != size):
@@ -89,7 +105,7 @@ class Ledger:
             identities = [self.identities.get((worker, value)) for value in hashes]
         else:
             identities = list(self._identify(worker, event, hashes, parent))
-        cause = self._store_cause(worker, event, parent, rejected)
+        cause = self._store_cause(worker, event, parent, ignored)
         for value, identity in zip(hashes, identities, strict=True):
             if identity is None:
                 continue  # a placeholder kvbridge cannot resolve either
@@ -105,11 +121,12 @@ class Ledger:
                 self._own(worker, tier, value, identity.key)
 
     def _store_cause(
-        self, worker: int, event: BlockStored, parent: int | None, rejected: bool
+        self, worker: int, event: BlockStored, parent: int | None, ignored: Cause | None
     ) -> Cause | None:
-        """Why Dynamo would not store this event's blocks as kvbridge does, if it would not."""
-        if rejected:
-            return Cause.BYTES_HASHES
+        """Why Dynamo would not store this event's blocks as kvbridge does, if it would not:
+        first why it ignores the whole batch, if it does."""
+        if ignored is not None:
+            return ignored
         if event.medium is not None and event.medium not in _DYNAMO_MEDIA:
             return Cause.MEDIUM_SPELLING
         if event.is_placeholder:
@@ -150,7 +167,7 @@ class Ledger:
         if owner[0] != worker and owner[1] != value:
             self.foreign.add((worker, value))
 
-    def _removed(self, worker: int, rank: int, event: BlockRemoved, rejected: bool) -> None:
+    def _removed(self, worker: int, rank: int, event: BlockRemoved, ignored: Cause | None) -> None:
         tier = tier_for_medium(event.medium)
         if tier is None:
             return
@@ -165,8 +182,8 @@ class Ledger:
                 self.missing[key] = Cause.RE_ANNOUNCED
                 continue
             self.counts.pop(key, None)
-            if rejected:
-                self.stale[key] = Cause.BYTES_HASHES
+            if ignored is not None:
+                self.stale[key] = ignored
             elif event.medium is not None and event.medium not in _DYNAMO_MEDIA:
                 self.stale[key] = Cause.MEDIUM_SPELLING
             elif (worker, value) in self.foreign:

@@ -16,6 +16,7 @@ from kvbridge.adapters.capture import (
     CaptureReader,
     FrameRecord,
     Prompt,
+    RecordedReset,
     capture_name,
     capture_streams,
 )
@@ -71,8 +72,8 @@ tokens each) to both services, and Dynamo hashes and indexes them; no engine's b
 def _read(path: str, block_size: int | None) -> tuple[list[Stream], list[Prompt]]:
     """A capture's streams, each with the capture's block size (given, in its header, or of
     its first store with tokens), and the prompts its header carries. The comparison feeds
-    both services each stream's batches in its engine's order (:func:`_engine_order`, which
-    takes a new process from a reset record and leaves the resets out)."""
+    both services each stream's batches in its engine's order, and the restarts between its
+    processes (:func:`_engine_order`)."""
     reader = CaptureReader(path)
     records = list(reader)
     size = block_size or reader.block_size or _records_block_size(records) or 0
@@ -115,7 +116,8 @@ def _check_seq_room(path: str, endpoint: str, records: Sequence[FrameRecord]) ->
 
 
 def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
-    """A stream's messages in the order its engine published them, each batch once.
+    """A stream's messages in the order its engine published them, each batch once, with a
+    ``"restart"`` reset record where a new process's batches begin.
 
     A batch the recorder recovered through the replay socket (stream ``replay:...``) was
     received after the live batch that showed the gap; sent in that order, Dynamo would drop
@@ -123,33 +125,47 @@ def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
     have fetched it. So each goes back among the live ones by its seq, within the run since the
     engine last restarted: a ``"restart"`` reset record (the recorder's subscriber found a new
     process, whose first batches it then replayed), or, in a capture without resets, a live seq
-    going back. A batch received twice in one run (a repair delivers the batches of a loss
-    again) is kept once. A record without a seq stays after the one before it; reset records
-    are left out.
+    going back, for which a restart record is made. A batch received twice in one run (a repair
+    delivers the batches of a loss again) is kept once. A record without a seq stays after the
+    one before it. The other resets (a loss, a repair) are left out: the comparison sends the
+    engine's batches, not what the recorder missed of them.
     """
     run, last = 0, -1
-    keyed = []
+    keyed: list[tuple[tuple[int, int, int], FrameRecord]] = []
     for position, record in enumerate(records):
         if record.reset is not None:
             if record.reset.reason == "restart":
                 run, last = run + 1, -1
+                keyed.append(((run, -1, position), record))  # first of its run
             continue
         seq, live = record.seq, not record.stream.startswith("replay:")
         if live and seq is not None:
             if seq < last:
                 run += 1
+                keyed.append(((run, -1, position), _restart_before(record)))
             last = seq
         keyed.append(((run, last if seq is None else seq, position), record))
     keyed.sort(key=lambda item: item[0])
     kept: list[FrameRecord] = []
     sent: set[tuple[int, int]] = set()
     for (run_of, _, _), record in keyed:
+        if record.reset is not None:
+            if kept and kept[-1].reset is None:  # a restart after batches, once
+                kept.append(record)
+            continue
         batch = None if record.seq is None else (run_of, record.seq)
         if batch not in sent:
             kept.append(record)
             if batch is not None:
                 sent.add(batch)
-    return kept
+    return kept[:-1] if kept and kept[-1].reset is not None else kept
+
+
+def _restart_before(record: FrameRecord) -> FrameRecord:
+    """A ``"restart"`` reset record of ``record``'s stream, received with it."""
+    return FrameRecord(
+        record.received_ns, record.stream, record.worker_id, [], RecordedReset("restart")
+    )
 
 
 def _check_workers(streams: Sequence[Stream]) -> None:

@@ -43,6 +43,11 @@ class Cause(StrEnum):
     RAW_CACHE_SALT = "raw_cache_salt"
     """A cache salt without Dynamo's ``dynamo-cache-salt:`` prefix: Dynamo indexes the blocks
     unsalted, so the salted blocks are missing and unsalted ones are stale."""
+    ENGINE_RESTART = "engine_restart"
+    """The engine restarted: a new process at the same endpoint, its sequence from 0 again.
+    Dynamo's listener ignores every batch until the sequence passes the old process's last, and
+    keeps the old process's blocks; kvbridge clears the worker and applies the new process's
+    batches."""
     UNEXPLAINED = "unexplained"
     """A difference none of the above accounts for (a case kvbridge does not model yet)."""
 

@@ -60,9 +60,10 @@ class Side:
         self.publishers: list[Publisher] = []
         self.last_rank: list[int] = [0] * len(streams)
         """The dp rank of each stream's last batch, where its sentinel goes."""
-        self.next_seq: list[int | None] = [None] * len(streams)
-        """For streams sent as recorded: the seq after the last one sent (a sentinel's).
-        ``None``: the publisher numbers the batches itself."""
+        self.highest: list[int | None] = [None] * len(streams)
+        """For streams sent as recorded: the highest seq sent (a sentinel's included), which
+        Dynamo's listener has passed: it ignores a batch at or below it. ``None``: the
+        publisher numbers the batches itself."""
         self.inserted: list[int] = [0] * len(streams)
         """Sentinels sent on each stream so far: its recorded seqs go out this much later."""
         self.sentinels: set[int] = set()
@@ -101,14 +102,21 @@ class Side:
             if not publisher.wait_for_subscribers(timeout=SYNC_TIMEOUT_S):
                 raise RuntimeError(f"Dynamo never subscribed to {publisher.endpoint}")
 
-    def send_recorded(self, index: int, frames: list[bytes], seq: int | None) -> None:
-        """A recorded message on stream ``index``, its seq moved past the sentinels sent."""
+    def send_recorded(self, index: int, frames: list[bytes], seq: int | None) -> bool:
+        """A recorded message on stream ``index``, its seq moved past the sentinels sent;
+        whether Dynamo applies it: ``False`` for a batch whose seq the listener has passed (a
+        restarted engine's, until its sequence passes the old process's last)."""
         shift = self.inserted[index]
         if shift and seq is not None and len(frames) == 3 and len(frames[1]) == 8:
             frames = [frames[0], seq8(seq + shift), frames[2]]
         self.publishers[index].send_frames(frames)
-        if seq is not None:
-            self.next_seq[index] = seq + shift + 1
+        if seq is None:
+            return True
+        highest = self.highest[index]
+        if highest is not None and seq + shift <= highest:
+            return False
+        self.highest[index] = seq + shift
+        return True
 
     def finish(self, streams: Sequence[tuple[int, int]]) -> None:
         """Wait until Dynamo has applied every stream (see :meth:`sync`)."""
@@ -125,11 +133,12 @@ class Side:
         for index, worker_id in streams.items():
             rank, block_size = self.last_rank[index], self._block_sizes[index]
             tokens = sentinel_tokens(index, block_size, self.inserted[index])
-            seq = self.next_seq[index]
+            highest = self.highest[index]
+            seq = None if highest is None else highest + 1
             self.publishers[index].publish(_sentinel(index, tokens, rank), seq=seq)
             if seq is not None:
                 self.inserted[index] += 1
-                self.next_seq[index] = seq + 1
+                self.highest[index] = seq
             self.sentinels.add(tokens_hashes(tokens, block_size)[0])
             waiting[index] = (worker_id, rank, Prompt("", tokens))
         deadline = time.monotonic() + SYNC_TIMEOUT_S
