@@ -387,6 +387,22 @@ def test_a_restarted_engine_is_cleared_bridged_and_ignored_alone(
     assert comparison.causes == {"engine_restart": ignored + 4}
 
 
+def test_a_restart_recorded_last_still_clears_the_worker_bridged(tmp_path: Path) -> None:
+    """The recording stops right after the engine restarted: the new process sent nothing.
+    Through kvbridge the worker is cleared at the restart, as the relay clears it; Dynamo
+    alone keeps the old process's 3 blocks."""
+    capture = tmp_path / "restart-last.kvcap"
+    endpoint = "tcp://w0"
+    with CaptureWriter(capture, meta={"block_size": 4}) as writer:
+        for seq in range(3):
+            store = BlockStored([100 + seq], None, [seq] * 4, 4, None, "GPU", None)
+            payload = encode_batch(VllmBatch(1.0, [store], 0), LAYOUT)
+            writer.write([b"", seq.to_bytes(8, "big"), payload], stream=endpoint)
+        writer.write_reset(StreamReset(Source(endpoint, worker_id=0), "restart"))
+    comparison = compare_captures([capture])
+    assert blocks(comparison) == [(0, 0, "device", 3, 0, {}, {"engine_restart": 3})]
+
+
 def test_a_worker_in_two_captures_is_refused() -> None:
     with pytest.raises(ValueError, match="worker 0 is in both"):
         compare_captures([GOLDEN / "prefix.kvcap", GOLDEN / "evict.kvcap"])

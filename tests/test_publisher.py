@@ -876,3 +876,33 @@ def test_selection_service_ignores_seqs_after_restart_until_re_registered(
         assert pub.publish(batch([block_stored([H_A, H_B], TOKENS[:8])])) == 0
         assert harness.wait_for(lambda: harness.overlap(TOKENS) == {(1, 0): (2, 2, 2)})
         assert harness.overlap(TOKENS) == {(1, 0): (2, 2, 2)}
+
+
+def test_a_publisher_reaches_new_consumers_after_many_came_and_went(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """1,300 consumers connect and go while the publisher sends nothing. Its monitor reports
+    each, and ZMQ's I/O thread would stop every socket of the context once that queue was
+    full (about 2,000 events); the queue has no bound, so a new consumer still gets a batch."""
+    with Publisher("tcp://127.0.0.1:*", bind=True, context=ctx) as publisher:
+        consumers: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            for _ in range(1300):
+                gone = consumers.socket(zmq.SUB)
+                gone.setsockopt(zmq.LINGER, 0)
+                gone.connect(publisher.endpoint)
+                time.sleep(0.002)
+                gone.close(0)
+            sub = consumers.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(publisher.endpoint)
+            got = None
+            for _ in range(50):  # until its subscription is in (no wait: it reads the monitor)
+                publisher.publish(b"batch")
+                if sub.poll(100):
+                    got = sub.recv_multipart()[2]
+                    break
+            assert got == b"batch", "the new consumer got nothing"
+        finally:
+            consumers.destroy(linger=0)

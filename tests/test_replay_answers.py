@@ -405,3 +405,180 @@ def test_a_replay_endpoint_gone_mid_answer_is_no_refusal(
     assert stats == SubscriberStats(
         messages=2, gaps=1, replays=1, replayed=1, replay_timeouts=1, lost=3
     )
+
+
+def test_a_refusal_after_the_replay_endpoint_came_up_late_is_asked_past(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int
+) -> None:
+    """The replay endpoint binds 300 ms after the gap's request: ZMQ's first attempts to
+    connect fail (reconnect attempts, as for an engine gone), then the handshake completes and
+    the answer holds a refused batch, 2. The handshake starts the watch afresh: the refusal is
+    seen, and 3..5 are asked for again."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 5", seq=5)
+        items += subscriber.poll(100)  # the gap's request goes out, to no one yet
+        time.sleep(0.3)
+        replay = ScriptedReplay(ctx, base + 1)
+        try:
+            asked = []
+            for answer in ([1, 2, 3], [3, 4, 5]):
+                items += poll_until(subscriber, lambda: replay.socket.poll(0))
+                identity, start = replay.request()
+                asked.append(start)
+                replay.answer(identity, [(n, HUGE if n == 2 else b"batch %d" % n) for n in answer])
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 5)
+            stats = deepcopy(subscriber.stats)
+        finally:
+            replay.close()
+
+    assert asked == [1, 3]
+    assert shape(items) == [(0, False), (1, True), ("lost", 1), (3, True), (4, True), (5, True)]
+    assert stats == SubscriberStats(
+        messages=2,
+        gaps=1,
+        replays=2,
+        replayed=4,
+        duplicates=1,
+        lost=1,
+        bad_frames=Counter({BadFrame.REFUSED: 1}),
+    )
+
+
+def test_a_replay_endpoint_of_another_socket_type_is_no_refusal(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int
+) -> None:
+    """The replay endpoint given is a PUB: it fails the DEALER's handshake and drops the
+    connection, without the reconnect attempt that shows an engine gone. With no handshake
+    before it, the drop is no refusal: the answer times out, and no batch is counted."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    wrong = ctx.socket(zmq.PUB)
+    wrong.setsockopt(zmq.LINGER, 0)
+    wrong.bind(f"tcp://127.0.0.1:{base + 1}")
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024, replay_timeout=1.0) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 5", seq=5)
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 5)
+        stats = deepcopy(subscriber.stats)
+    wrong.close(0)
+
+    assert shape(items) == [(0, False), ("lost", 4), (5, False)]
+    assert stats == SubscriberStats(messages=2, gaps=1, replays=1, replay_timeouts=1, lost=4)
+
+
+def test_two_refusals_before_any_frame_cut_the_answer(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """The engine no longer holds the gap's start, 1: the first batch it holds, 100, is
+    refused before any frame. That refusal is taken to be of 1, and 2 on is asked for; the
+    engine answers with 100 again, refused again before any frame: the answer is cut there
+    (asking on would cost a request per batch the engine no longer holds). 1..101 are lost."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 102", seq=102)
+        asked = []
+        for _ in range(2):
+            items += poll_until(subscriber, lambda: replay.socket.poll(0))
+            identity, start = replay.request()
+            asked.append(start)
+            replay.answer(identity, [(100, HUGE), (101, b"batch 101")])
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 102)
+        stats = deepcopy(subscriber.stats)
+
+    assert asked == [1, 2]
+    assert shape(items) == [(0, False), ("lost", 101), (102, False)]
+    assert stats == SubscriberStats(
+        messages=2, gaps=1, replays=2, lost=101, bad_frames=Counter({BadFrame.REFUSED: 2})
+    )
+
+
+def test_a_refusal_past_the_last_seq_there_is_cuts_the_answer(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
+) -> None:
+    """A replay answers the last seq there is (2**64 - 2), then a batch ZMQ refuses: there is
+    no batch after it to ask for. The answer is cut there, and every poll goes on without an
+    error (the refused DEALER is no longer polled)."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 3", seq=3)
+        items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+        identity, start = replay.request()
+        assert start == 1
+        replay.answer(identity, [(2**64 - 2, b"last"), (2, HUGE)])
+        items += poll_until(subscriber, lambda: subscriber.stats.bad_frames[BadFrame.REFUSED])
+        for _ in range(3):
+            items += subscriber.poll(50)
+        stats = deepcopy(subscriber.stats)
+
+    # The answer's batch far past the gap is a resync there (see the subscriber's "limits");
+    # the live batch 3 after it is then a late copy.
+    assert shape(items) == [(0, False), ("restart", 0), (2**64 - 2, True)]
+    assert stats == SubscriberStats(
+        messages=2,
+        gaps=1,
+        replays=1,
+        replayed=1,
+        duplicates=1,
+        resyncs=1,
+        bad_frames=Counter({BadFrame.REFUSED: 1}),
+    )
+
+
+def test_a_replay_endpoint_gone_for_good_does_not_stall_the_subscriber(
+    base: int,
+) -> None:
+    """After a replay answered, its endpoint goes away for good. ZMQ reports a reconnect
+    attempt for a DEALER that is still open at every try (here every millisecond), and its
+    I/O thread stops every socket of the context once a monitor's queue is full. The DEALER
+    was closed with its answer: 3 s later a live batch still comes through."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    context.setsockopt(zmq.RECONNECT_IVL, 1)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    replay = ScriptedReplay(context, base + 1)
+    try:
+        with (
+            engine_without_replay(context, base) as engine,
+            Subscriber([source], context=context) as subscriber,
+        ):
+            assert engine.wait_for_subscribers(timeout=TIMEOUT)
+            engine.publish(b"batch 0")
+            items = receive(subscriber, 1)
+            engine.publish(b"batch 2", seq=2)
+            items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
+            identity, _ = replay.request()
+            replay.answer(identity, [(1, b"batch 1"), (2, b"batch 2")])
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 2)
+            replay.close()
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                items += subscriber.poll(100)
+            engine.publish(b"batch 3")
+            items += receive(subscriber, 1)
+    finally:
+        replay.close()
+        context.destroy(linger=0)
+
+    assert shape(items) == [(0, False), (1, True), (2, True), (3, False)]

@@ -43,12 +43,12 @@ from collections import Counter
 from typing import Final
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, should_bind
-from kvbridge.adapters.monitors import close_monitor
+from kvbridge.adapters.monitors import close_monitor, monitor_events, watch
 from kvbridge.adapters.replay_buffer import ReplayBuffer, SnapshotProvider
+from kvbridge.adapters.replay_protocol import MAX_SEQ
 from kvbridge.adapters.replay_server import AnswerCut, ReplaySocket, last_endpoint
 
 __all__ = [
@@ -62,6 +62,10 @@ __all__ = [
 DEFAULT_BUFFER_STEPS: Final = 10_000
 """Batches a replay buffer holds by default, as vLLM's (``KVEventsConfig.buffer_steps``)."""
 
+PEERS_READ_INTERVAL_S: Final = 1.0
+"""How often at most :meth:`Publisher.publish` reads the PUB's monitor (see
+:mod:`~kvbridge.adapters.monitors`)."""
+
 MAX_BUFFER_STEPS: Final = MAX_HWM // 2 - 2
 """The most batches a replay buffer may hold: the replay socket's high-water mark has room for
 two whole answers of them (``2 * (buffer_steps + 2)`` messages), within :data:`MAX_HWM`."""
@@ -71,9 +75,6 @@ SUBSCRIPTION_MAX_BYTES: Final = 64 * 1024
 subscriptions (a topic prefix: a SUB whose topic is longer gets nothing): a peer that announces
 a larger frame is disconnected at its header, before libzmq makes room for it (see
 :data:`~kvbridge.adapters.replay_server.REQUEST_MAX_BYTES`)."""
-MAX_SEQ: Final[int] = 2**64 - 2
-"""Largest publishable seq; 2**64 - 1 would be indistinguishable from
-:data:`~kvbridge.adapters.replay_protocol.END_SEQ`."""
 
 _SNDMORE: Final[int] = int(zmq.SNDMORE)
 _send: Final = zmq.backend.Socket.send
@@ -141,15 +142,16 @@ class Publisher(ClosedOnExit):
         self._peers = 0
         self.last_sent = time.monotonic()
         """When :meth:`publish` last sent a batch (monotonic), for heartbeats."""
+        self._peers_read_at = self.last_sent
+        """When the PUB's monitor was last read; :meth:`publish` reads it every
+        :data:`PEERS_READ_INTERVAL_S` at most, so that what it queues stays small."""
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES)
             # Watch handshakes before any peer can arrive, for wait_for_subscribers().
-            self._monitor = self._pub.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-            )
+            self._monitor = watch(self._pub, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             allow_ipv6(self._pub, endpoint)
             if should_bind(endpoint) if bind is None else bind:
                 self._pub.bind(endpoint)
@@ -235,7 +237,9 @@ class Publisher(ClosedOnExit):
             raise RuntimeError("publisher is closed")
         used = self._buffer.append(payload, seq)
         if send:
-            self.last_sent = time.monotonic()
+            now = self.last_sent = time.monotonic()
+            if now >= self._peers_read_at + PEERS_READ_INTERVAL_S:
+                self._count_peers()  # what the monitor queued, so that it does not grow
             if type(payload) is bytes:
                 # send_multipart's work without its costs: an IntFlag ``|`` per frame (1.7 us
                 # each), a buffer check per part, which bytes pass anyway, and the wrapper.
@@ -277,19 +281,26 @@ class Publisher(ClosedOnExit):
         if self._closed or monitor is None:
             raise RuntimeError("publisher is closed")
         deadline = time.monotonic() + timeout
+        self._count_peers()
         while self._peers < count:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not monitor.poll(remaining_ms, zmq.POLLIN):
                 return False
-            while monitor.poll(0, zmq.POLLIN):
-                event = parse_monitor_message(monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._peers += 1
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self._peers = max(0, self._peers - 1)
+            self._count_peers()
         if settle > 0:
             time.sleep(settle)
         return True
+
+    def _count_peers(self) -> None:
+        """Count the handshakes and drops the PUB's monitor reported since the last look."""
+        self._peers_read_at = time.monotonic()
+        if self._monitor is None:
+            return
+        for event in monitor_events(self._monitor):
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._peers += 1
+            else:
+                self._peers = max(0, self._peers - 1)
 
     def restart(self) -> None:
         """Simulate an engine restart: the next seq is 0 again and the replay buffer is emptied."""

@@ -4,10 +4,12 @@ refused one of its batches.
 A batch past the DEALER's ``MAXMSGSIZE`` is refused at its size header: ZMQ drops the
 connection it came on, and the engine's answer goes with it. A peer that goes away drops the
 connection too, but ZMQ then tries to connect again at once, where after a refusal (a
-protocol error) it does not. So the DEALER's monitor tells the two apart: a drop without a
-reconnect attempt within :data:`REFUSAL_GRACE_S` is a refusal (:meth:`Answer.refused`), of the
-batch after the last one the answer read. The replay client then asks again from the batch
-after that one, on a new DEALER (see :mod:`~kvbridge.adapters.replay_client`).
+protocol error) it does not. So the DEALER's monitor tells the two apart: a drop of a
+connection whose handshake completed, without a reconnect attempt within
+:data:`REFUSAL_GRACE_S`, is a refusal (:meth:`Answer.refused`), of the batch after the last one
+the answer read. (A peer that is not a ROUTER fails the handshake instead, and its answer
+times out.) The replay client then asks again from the batch after that one, on a new DEALER
+(see :mod:`~kvbridge.adapters.replay_client`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Final
 
 import zmq
 
-from kvbridge.adapters.monitors import monitor_events
+from kvbridge.adapters.monitors import close_monitor, monitor_events
+from kvbridge.adapters.replay_protocol import MAX_SEQ
 from kvbridge.adapters.source import Message
 from kvbridge.adapters.stream_state import StreamState
 
@@ -28,10 +31,11 @@ __all__ = [
     "Answer",
     "Fetch",
     "Replayed",
+    "close_replay_sockets",
     "run_before",
 ]
 
-WATCHED: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+WATCHED: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 """The events a replay DEALER's monitor reports."""
 REFUSAL_GRACE_S: Final = 0.05
 """How long after a drop a reconnect attempt may come and show the peer gone, not a batch
@@ -62,9 +66,10 @@ class Replayed(list[Message]):
         bounds, no batch skipped, and asked for at all. Batches after the last of an answer
         that is not whole may be missing, unless its :attr:`end` is known."""
         self.end = end
-        """If it came to its end marker and every frame it skipped had a sequence number: the
-        batch after the last it read. Those before it that it did not deliver were skipped
-        (too big, refused) and are lost; the engine held none after it. ``None`` otherwise."""
+        """If it came to its end marker and the last frame it read had a sequence number: the
+        batch after that frame. Those before it that it did not deliver were skipped (too big,
+        refused, or not a batch) and are lost; the engine held none after it. ``None``
+        otherwise."""
 
 
 @dataclass(eq=False)
@@ -91,10 +96,16 @@ class Answer:
     next_seq: int | None = field(init=False)
     """The batch after the last frame read, where a refusal falls; ``None`` after a frame
     without a sequence number."""
+    read_since_ask: bool = False
+    """A frame came since the last request was sent."""
+    blind: bool = False
+    """The last refusal came before any frame of its request."""
+    handshaken: bool = False
+    """The DEALER's connection completed its handshake and has not dropped since."""
     dropped_at: float | None = None
-    """When the DEALER's connection dropped with no reconnect attempt seen since."""
+    """When a handshaken connection dropped, with no reconnect attempt seen since."""
     peer_gone: bool = False
-    """A reconnect attempt followed a drop: the engine went away, nothing was refused."""
+    """A reconnect attempt followed the drop: the engine went away, nothing was refused."""
 
     def __post_init__(self) -> None:
         self.next_seq = self.start
@@ -107,10 +118,12 @@ class Answer:
     def watch(self) -> None:
         """Take in what the DEALER's monitor reported since the last look."""
         for event in monitor_events(self.monitor):
-            if event == zmq.EVENT_CONNECT_RETRIED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # connected (again): nothing dropped
+                self.handshaken, self.dropped_at, self.peer_gone = True, None, False
+            elif event == zmq.EVENT_CONNECT_RETRIED:
                 self.peer_gone = True
-            elif self.dropped_at is None:
-                self.dropped_at = time.monotonic()
+            elif self.handshaken:
+                self.handshaken, self.dropped_at = False, time.monotonic()
 
     def refused(self) -> bool:
         """Whether ZMQ refused the batch at :attr:`next_seq`: the connection dropped
@@ -128,16 +141,29 @@ class Answer:
             return self.deadline
         return min(self.deadline, self.dropped_at + REFUSAL_GRACE_S)
 
+    def may_ask_past(self) -> bool:
+        """Whether the refused batch, at :attr:`next_seq`, may be asked past: it is known and
+        below the last seq there is, the refusal is not a second in a row before any frame of
+        its request, and the deadline has not passed."""
+        return (
+            self.next_seq is not None
+            and self.next_seq < MAX_SEQ
+            and not (self.blind and not self.read_since_ask)
+            and time.monotonic() < self.deadline
+        )
+
     def asked_past(self, dealer: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         """The batch at :attr:`next_seq` was refused, and the rest asked for on ``dealer``."""
         assert self.next_seq is not None
         self.dealer, self.monitor = dealer, monitor
         self.next_seq += 1
-        self.dropped_at, self.peer_gone = None, False
+        self.blind, self.read_since_ask = not self.read_since_ask, False
+        self.handshaken, self.dropped_at, self.peer_gone = False, None, False
 
     def took(self, seq: int | None) -> None:
         """A frame was read, of batch ``seq`` (``None``: of no known batch)."""
         self.next_seq = None if seq is None else seq + 1
+        self.read_since_ask = True
 
     def replayed(self, *, timed_out: bool) -> Replayed:
         """What it delivered, ``timed_out`` or not."""
@@ -147,6 +173,16 @@ class Answer:
             whole=complete and not self.skipped,
             end=self.next_seq if complete else None,
         )
+
+
+def close_replay_sockets(
+    dealer: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None
+) -> None:
+    """Close a replay DEALER and its monitor (either may be missing, or closed already)."""
+    if dealer is not None and monitor is not None:
+        close_monitor(dealer, monitor)
+    if dealer is not None:
+        dealer.close(0)
 
 
 def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:

@@ -1,9 +1,11 @@
 """The subscriber's side of vLLM's replay protocol: asking a source's replay socket for the
 batches a stream missed, within bounds, and turning what cannot be had into resets.
 
-One DEALER per source, opened on its first replay, speaks both reply layouts (without a topic
+A DEALER per request, closed with its answer, speaks both reply layouts (without a topic
 frame before vLLM 0.26, with one after; :mod:`~kvbridge.adapters.replay_protocol` has the
-frames). Its uses, and the bounds on one answer:
+frames): a late reply or the tail of an answer cut short is never read as the next answer's,
+and the DEALER's monitor sees the whole of its one connection. Its uses, and the bounds on
+one answer:
 
 - **recovery** (:meth:`ReplayClient.recover`): a gap, or the start of a stream, is filled from
   the replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout, a
@@ -17,18 +19,16 @@ frames). Its uses, and the bounds on one answer:
   suspension skipped, after the clear, as far as they reach the next live one unbroken;
 - **bounds** on one answer: at most ``max_messages`` batches and ``max_bytes`` of payload are
   read [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is
-  discarded (``replay_truncated``, the DEALER closed so that its tail is not read as the next
-  answer) and what it held counts as lost;
+  discarded (``replay_truncated``) and what it held counts as lost;
 - **refused batches**: a batch past ``MAXMSGSIZE`` (``max_frame_bytes`` and a margin) is
   refused by ZMQ, which drops the DEALER's connection and with it the rest of the answer (see
   :mod:`~kvbridge.adapters.replay_answer`). The batch is counted (``refused``) and the rest
   asked for again, from the batch after it, on a new DEALER, within the same deadline: the
   refused batch is a loss at its place, and the engine's batches after it still come. (A
   batch refused live drops the SUB's connection, and the publisher check's replay meets it
-  again.) A refusal before the answer's first frame falls on the first batch the engine holds
-  from the request's start, taken to be that start: if the engine no longer holds it, each
-  ask from one later is refused again until the asks pass the refused batch or time runs
-  out;
+  again.) A refusal before any frame of its request falls on the first batch the engine
+  holds from the request's start, taken to be that start; a second such refusal in a row
+  cuts the answer, since the engine may no longer hold the start;
 - **back-off** after a timeout: while a replay waits for its answer, its source is not read
   (the others are, see :mod:`~kvbridge.adapters.replays_in_flight`). So after a replay of a
   source times out, that source's replays are not asked for (``replays_skipped``, their
@@ -54,8 +54,15 @@ import zmq
 from kvbridge._backoff import doubling_backoff_s
 from kvbridge.adapters.endpoints import MAX_HWM, allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.monitors import close_monitor, monitor_events
-from kvbridge.adapters.replay_answer import WATCHED, Answer, Fetch, Replayed, run_before
+from kvbridge.adapters.monitors import watch
+from kvbridge.adapters.replay_answer import (
+    WATCHED,
+    Answer,
+    Fetch,
+    Replayed,
+    close_replay_sockets,
+    run_before,
+)
 from kvbridge.adapters.replay_protocol import END_SEQ, parse_answer, request_frames
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -253,18 +260,27 @@ class ReplayClient:
         self, stream: StreamState, start: int
     ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None:
         """Send a request for every batch of ``stream`` from ``start`` (counted in
-        ``replays``) on the source's DEALER: the DEALER and its monitor, or ``None`` if it
-        cannot be sent (counted and backed off as a timeout)."""
+        ``replays``) on a new DEALER: the DEALER and its monitor, or ``None`` if it cannot be
+        sent (counted and backed off as a timeout)."""
         self.stats.replays += 1
+        source = stream.source
+        assert source.replay_endpoint is not None
+        dealer = monitor = None
         try:
-            dealer, monitor = self._dealer(stream)
-            monitor_events(monitor)  # a drop before the request says nothing of its answer
+            dealer = self.context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, self.answer_hwm)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
+            monitor = watch(dealer, WATCHED)
+            address = loopback(source.replay_endpoint)
+            allow_ipv6(dealer, address)
+            dealer.connect(address)
             dealer.send_multipart(request_frames(start), zmq.NOBLOCK)
         except zmq.ZMQError as error:  # no socket to be had, or its queue full: unanswered
-            endpoint = stream.source.replay_endpoint
+            close_replay_sockets(dealer, monitor)
+            endpoint = source.replay_endpoint
             self.warn("replay not sent", (endpoint,), stream=endpoint, error=str(error))
             self.stats.replay_timeouts += 1
-            self.close_dealer(stream)
             self._back_off(stream)
             return None
         return dealer, monitor
@@ -282,12 +298,18 @@ class ReplayClient:
 
     def _ask_past_refused(self, answer: Answer) -> bool:
         """Count the batch of ``answer`` that ZMQ refused and ask for those after it on a new
-        DEALER; whether they were asked for (if not, the answer is cut there)."""
+        DEALER (ZMQ does not connect the old one again); whether they were asked for. If not
+        (the refused batch is not known, or is a second in a row before any frame of its
+        request, or the last seq there is, or the answer's time is up, or the request could
+        not be sent) the answer is cut there."""
         stream, refused = answer.stream, answer.next_seq
         stream.skip_frame(self.stats, self.warn, BadFrame.REFUSED, refused)
         answer.skipped = True
-        self.close_dealer(stream)  # ZMQ does not connect it again after a refusal
-        sent = None if refused is None else self._ask(stream, refused + 1)
+        close_replay_sockets(*answer.sockets)
+        sent = None
+        if answer.may_ask_past():
+            assert refused is not None
+            sent = self._ask(stream, refused + 1)
         if sent is None:
             answer.cut = True
             return False
@@ -344,33 +366,16 @@ class ReplayClient:
                 return True
 
     def end(self, answer: Answer, *, timed_out: bool) -> Replayed:
-        """The batches of ``answer``, whole or past its deadline (a timeout: the source backs
-        off). The caller no longer polls its DEALER: a cut or timed-out answer's DEALER is
-        closed here, so that its tail or late replies are not read as the next answer's."""
+        """The batches of ``answer``, over or past its deadline (a timeout: the source backs
+        off); its DEALER is closed. The caller no longer polls it."""
         stream = answer.stream
         if timed_out:
             endpoint = stream.source.replay_endpoint
             self.warn("replay timed out", (endpoint,), stream=endpoint, start=answer.start)
             self.stats.replay_timeouts += 1
             self._back_off(stream)
-        if timed_out or answer.cut:
-            self.close_dealer(stream)
+        close_replay_sockets(*answer.sockets)
         return answer.replayed(timed_out=timed_out)
-
-    def _dealer(self, stream: StreamState) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        """The source's replay DEALER and its monitor, opened on its first replay."""
-        if stream.dealer is None or stream.dealer_monitor is None:
-            source = stream.source
-            assert source.replay_endpoint is not None
-            dealer = self.context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, self.answer_hwm)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.maxmsgsize)
-            address = loopback(source.replay_endpoint)
-            allow_ipv6(dealer, address)
-            stream.dealer, stream.dealer_monitor = dealer, dealer.get_monitor_socket(WATCHED)
-            dealer.connect(address)
-        return stream.dealer, stream.dealer_monitor
 
     def _back_off(self, stream: StreamState) -> None:
         """Skip the replays of ``stream`` for a while after a timeout (see the module's
@@ -386,12 +391,3 @@ class ReplayClient:
             seconds=round(backoff, 3),
             timeouts_in_a_row=stream.replay_failures,
         )
-
-    def close_dealer(self, stream: StreamState) -> None:
-        """Close the replay socket this client opened for ``stream``, if any; the next
-        :meth:`begin` opens a new one."""
-        if stream.dealer is not None:
-            if stream.dealer_monitor is not None:
-                close_monitor(stream.dealer, stream.dealer_monitor)
-            stream.dealer.close(0)
-        stream.dealer = stream.dealer_monitor = None

@@ -24,6 +24,7 @@ from typing import Final
 
 __all__ = [
     "END_SEQ",
+    "MAX_SEQ",
     "ReplayedFrames",
     "answer_frames",
     "end_frames",
@@ -35,6 +36,8 @@ __all__ = [
 
 END_SEQ: Final[bytes] = b"\xff" * 8
 """Seq frame of the end marker: -1 as a signed 8-byte big-endian int."""
+MAX_SEQ: Final[int] = 2**64 - 2
+"""Largest seq a batch can have; 2**64 - 1 would be indistinguishable from :data:`END_SEQ`."""
 
 ReplayedFrames = tuple[bytes, bytes, bytes]
 """One answered batch, as ``(topic, seq frame, payload)``."""

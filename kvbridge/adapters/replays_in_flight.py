@@ -2,10 +2,10 @@
 
 What a message means can depend on a replay (a gap to fill, a publisher to check, the start of
 a stream): the sequencing of that message is a generator that yields a
-:class:`~kvbridge.adapters.replay_client.Fetch` and is sent its answer
+:class:`~kvbridge.adapters.replay_answer.Fetch` and is sent its answer
 (:data:`~kvbridge.adapters.replay_client.Replaying`). :class:`ReplaysInFlight` sends the
 request, parks the generator, and reads the answer as it arrives, in the subscriber's own poll;
-an answer that is whole, or past the replay timeout, resumes its stream. Meanwhile the stream's
+an answer that is over, or past the replay timeout, resumes its stream. Meanwhile the stream's
 own messages wait in ZMQ's queue, so its order is kept, and every other source is read as
 usual: a replay endpoint that does not answer holds up its own source, not the others (but
 see the slots, below).
@@ -28,7 +28,7 @@ from typing import Final
 import zmq
 
 from kvbridge.adapters.repairs import repair
-from kvbridge.adapters.replay_answer import Answer, Fetch, Replayed
+from kvbridge.adapters.replay_answer import Answer, Fetch, Replayed, close_replay_sockets
 from kvbridge.adapters.replay_client import ReplayClient, Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -98,10 +98,12 @@ class ReplaysInFlight:
             late = answer.deadline <= now  # what came by now still counts
             sockets = answer.sockets
             due = late or answer.wake_at() <= now or not ready.isdisjoint(sockets)
-            over = due and self.client.read(answer)
-            if answer.sockets != sockets:  # asked again past a refused batch
-                self._watch(sockets, 0)
-                self._watch(answer.sockets, zmq.POLLIN)
+            try:
+                over = due and self.client.read(answer)
+            finally:
+                if answer.sockets != sockets or answer.dealer.closed:  # asked again, or cut
+                    self._watch(sockets, 0)
+                    self._watch(answer.sockets, 0 if answer.dealer.closed else zmq.POLLIN)
             if over or late:
                 self._watch(answer.sockets, 0)
                 del self._answers[stream]
@@ -116,9 +118,10 @@ class ReplaysInFlight:
             self.poller.register(socket, flags)
 
     def close(self) -> None:
-        """Forget every wait; the subscriber closes the DEALERs."""
+        """Forget every wait, and close the answers' DEALERs."""
         for answer in self._answers.values():
             self._watch(answer.sockets, 0)
+            close_replay_sockets(*answer.sockets)
         self._answers.clear()
         self._waiting.clear()
         self._queued.clear()

@@ -34,8 +34,6 @@ class StreamState:
         "address",
         "clear_burst",
         "clear_interval",
-        "dealer",
-        "dealer_monitor",
         "jumped_to",
         "last",
         "last_payload",
@@ -100,11 +98,6 @@ class StreamState:
         stream over, without another clear."""
         self.jumped_to: int | None = None
         """The sequence of the last message skipped as a jump, to notice a stream that moved."""
-        self.dealer: zmq.Socket[bytes] | None = None
-        """The replay DEALER: the subscriber's ``ReplayClient`` opens it on the first replay and
-        closes it."""
-        self.dealer_monitor: zmq.Socket[bytes] | None = None
-        """The replay DEALER's monitor, opened and closed with it."""
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
         self.last_payload = b""

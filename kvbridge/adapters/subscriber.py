@@ -69,7 +69,7 @@ import zmq
 from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.monitors import close_monitor
+from kvbridge.adapters.monitors import close_monitor, watch
 from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_BYTES,
     DEFAULT_REPLAY_MAX_MESSAGES,
@@ -184,7 +184,7 @@ class Subscriber(ClosedOnExit):
             rcvhwm=rcvhwm,
             max_gap=max_gap,
         )
-        """Gap replays and publisher checks, over a DEALER per source."""
+        """Gap replays and publisher checks, over a DEALER per request."""
         self._sequencer = Sequencer(
             self.stats,
             self._warn,
@@ -249,7 +249,7 @@ class Subscriber(ClosedOnExit):
         """Monitor (if it connects), bind or connect and poll ``stream.socket``."""
         source, socket = stream.source, stream.socket
         if self._monitor:
-            stream.monitor = socket.get_monitor_socket(WATCHED)
+            stream.monitor = watch(socket, WATCHED)
             self._monitors[stream.monitor] = stream
             self._poller.register(stream.monitor, zmq.POLLIN)
         allow_ipv6(socket, source.endpoint)
@@ -392,7 +392,6 @@ class Subscriber(ClosedOnExit):
         self._catching_up.clear()
         for stream in list(self._streams.values()):
             self._detach(stream)
-            self.replay_client.close_dealer(stream)
         self._by_source.clear()
         self._order.clear()
         self.wakeup.close()

@@ -20,7 +20,7 @@ from kvbridge.adapters.capture import (
     capture_name,
     capture_streams,
 )
-from kvbridge.adapters.publisher import MAX_SEQ
+from kvbridge.adapters.replay_protocol import MAX_SEQ
 from kvbridge.normalizers import MAX_BLOCK_SIZE
 from kvbridge.schemas import BlockStored, SchemaError, VllmBatch, decode_batch
 
@@ -158,7 +158,7 @@ def _engine_order(records: Sequence[FrameRecord]) -> list[FrameRecord]:
             kept.append(record)
             if batch is not None:
                 sent.add(batch)
-    return kept[:-1] if kept and kept[-1].reset is not None else kept
+    return kept
 
 
 def _restart_before(record: FrameRecord) -> FrameRecord:
