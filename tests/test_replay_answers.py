@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import deepcopy
+from typing import Any
 
 import pytest
 import zmq
@@ -22,7 +24,7 @@ from kvbridge.adapters.endpoints import MAX_HWM
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
-from kvbridge.adapters.source import Message, Source
+from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 from kvbridge.adapters.subscriber import MAXMSGSIZE_MARGIN, Subscriber
 
@@ -87,20 +89,30 @@ def engine_without_replay(ctx: zmq.Context[zmq.Socket[bytes]], base: int) -> Pub
     return Publisher(f"tcp://127.0.0.1:{base}", bind=True, context=ctx)
 
 
+@contextmanager
+def gap_of(
+    ctx: zmq.Context[zmq.Socket[bytes]], base: int, **options: Any
+) -> Iterator[tuple[Publisher, Subscriber, Source, list[Message | StreamReset]]]:
+    """An engine without a replay socket on ``base``, and a subscriber (with ``options``) to
+    it and to the replay endpoint on ``base + 1``, once the engine's batch 0 came through:
+    the engine, the subscriber, its source and what it delivered so far."""
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_without_replay(ctx, base) as engine,
+        Subscriber([source], context=ctx, **options) as subscriber,
+    ):
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        yield engine, subscriber, source, receive(subscriber, 1)
+
+
 def test_a_hole_in_a_replay_answer_is_a_loss_at_its_place(
     ctx: zmq.Context[zmq.Socket[bytes]], base: int, replay: ScriptedReplay
 ) -> None:
     """A gap of 1..3 answered with 1 and 3 only (2 aged out, or dropped on its way): 1 and 3
     are delivered, and a ``"lost"`` reset goes out between them, where the missing batch's
     removals would have been."""
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    with (
-        engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx) as subscriber,
-    ):
-        assert engine.wait_for_subscribers(timeout=TIMEOUT)
-        engine.publish(b"batch 0")
-        items = receive(subscriber, 1)
+    with gap_of(ctx, base) as (engine, subscriber, _, items):
         engine.publish(b"batch 4", seq=4)
         items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
         identity, start = replay.request()
@@ -342,14 +354,7 @@ def test_refused_batches_in_a_gaps_answer_are_losses_at_their_place(
     before the live batch that showed the gap). Each refusal drops the DEALER's connection,
     and the replay is asked again from the batch after it, on a new connection: 1 and 3 are
     delivered, with a ``"lost"`` reset at the place of each refused batch."""
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    with (
-        engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
-    ):
-        assert engine.wait_for_subscribers(timeout=TIMEOUT)
-        engine.publish(b"batch 0")
-        items = receive(subscriber, 1)
+    with gap_of(ctx, base, max_frame_bytes=1024) as (engine, subscriber, source, items):
         engine.publish(b"batch 5", seq=5)
         items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
         asked = []
@@ -383,14 +388,12 @@ def test_a_replay_endpoint_gone_mid_answer_is_no_refusal(
     """The replay endpoint closes after the first batch of its answer. ZMQ drops the DEALER's
     connection as it does for a refused batch, but then tries to connect again: the answer
     times out as any unanswered one, and no batch is taken for refused."""
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    with (
-        engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx, max_frame_bytes=1024, replay_timeout=1.0) as subscriber,
+    with gap_of(ctx, base, max_frame_bytes=1024, replay_timeout=1.0) as (
+        engine,
+        subscriber,
+        source,
+        items,
     ):
-        assert engine.wait_for_subscribers(timeout=TIMEOUT)
-        engine.publish(b"batch 0")
-        items = receive(subscriber, 1)
         engine.publish(b"batch 5", seq=5)
         items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
         identity, start = replay.request()
@@ -414,14 +417,7 @@ def test_a_refusal_after_the_replay_endpoint_came_up_late_is_asked_past(
     connect fail (reconnect attempts, as for an engine gone), then the handshake completes and
     the answer holds a refused batch, 2. The handshake starts the watch afresh: the refusal is
     seen, and 3..5 are asked for again."""
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    with (
-        engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
-    ):
-        assert engine.wait_for_subscribers(timeout=TIMEOUT)
-        engine.publish(b"batch 0")
-        items = receive(subscriber, 1)
+    with gap_of(ctx, base, max_frame_bytes=1024) as (engine, subscriber, source, items):
         engine.publish(b"batch 5", seq=5)
         items += subscriber.poll(100)  # the gap's request goes out, to no one yet
         time.sleep(0.3)
@@ -484,14 +480,7 @@ def test_two_refusals_before_any_frame_cut_the_answer(
     refused before any frame. That refusal is taken to be of 1, and 2 on is asked for; the
     engine answers with 100 again, refused again before any frame: the answer is cut there
     (asking on would cost a request per batch the engine no longer holds). 1..101 are lost."""
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    with (
-        engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
-    ):
-        assert engine.wait_for_subscribers(timeout=TIMEOUT)
-        engine.publish(b"batch 0")
-        items = receive(subscriber, 1)
+    with gap_of(ctx, base, max_frame_bytes=1024) as (engine, subscriber, source, items):
         engine.publish(b"batch 102", seq=102)
         asked = []
         for _ in range(2):
@@ -515,14 +504,7 @@ def test_a_refusal_past_the_last_seq_there_is_cuts_the_answer(
     """A replay answers the last seq there is (2**64 - 2), then a batch ZMQ refuses: there is
     no batch after it to ask for. The answer is cut there, and every poll goes on without an
     error (the refused DEALER is no longer polled)."""
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    with (
-        engine_without_replay(ctx, base) as engine,
-        Subscriber([source], context=ctx, max_frame_bytes=1024) as subscriber,
-    ):
-        assert engine.wait_for_subscribers(timeout=TIMEOUT)
-        engine.publish(b"batch 0")
-        items = receive(subscriber, 1)
+    with gap_of(ctx, base, max_frame_bytes=1024) as (engine, subscriber, _, items):
         engine.publish(b"batch 3", seq=3)
         items += subscriber.poll(int(TIMEOUT * 1000))  # the gap's request goes out
         identity, start = replay.request()
