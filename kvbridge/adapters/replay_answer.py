@@ -125,21 +125,23 @@ class Answer:
             elif self.handshaken:
                 self.handshaken, self.dropped_at = False, time.monotonic()
 
+    def _refusal_at(self) -> float | None:
+        """When a drop counts as a refusal, if one is pending: the end of its grace."""
+        if self.dropped_at is None or self.peer_gone:
+            return None
+        return self.dropped_at + REFUSAL_GRACE_S
+
     def refused(self) -> bool:
         """Whether ZMQ refused the batch at :attr:`next_seq`: the connection dropped
         :data:`REFUSAL_GRACE_S` ago or more, with no reconnect attempt after it."""
-        return (
-            not self.peer_gone
-            and self.dropped_at is not None
-            and time.monotonic() >= self.dropped_at + REFUSAL_GRACE_S
-        )
+        at = self._refusal_at()
+        return at is not None and time.monotonic() >= at
 
     def wake_at(self) -> float:
         """When it is next to be looked at without a frame: its deadline, or sooner the end
         of a drop's grace."""
-        if self.dropped_at is None or self.peer_gone:
-            return self.deadline
-        return min(self.deadline, self.dropped_at + REFUSAL_GRACE_S)
+        at = self._refusal_at()
+        return self.deadline if at is None else min(self.deadline, at)
 
     def may_ask_past(self) -> bool:
         """Whether the refused batch, at :attr:`next_seq`, may be asked past: it is known and

@@ -114,14 +114,13 @@ def _replay(streams: Sequence[Stream], alone: Side, bridged: Side) -> Ledger:
         pipeline.add_source(record_source(stream.records[0]), sink)
     sent: dict[int, int] = {}
     """Streams of the capture being replayed, sent since the last sync: {index: worker_id}."""
-    ranks: list[set[int]] = [set() for _ in streams]
-    """The dp ranks each stream's batches named, which a restart clears."""
     capture: str | None = None
     for index, record in in_receipt_order([stream.records for stream in streams]):
         stream = streams[index]
         pipeline = pipelines[stream.capture]
         if record.reset is not None:  # a restart: the raw stream just starts over
-            ledger.restart(stream.worker_id, ranks[index])
+            ranks = pipeline.source_ranks(record_source(record))  # what the reset clears
+            ledger.restart(stream.worker_id, set(ranks))
             pipeline.feed_record(record)
             continue
         if stream.capture != capture:
@@ -135,7 +134,6 @@ def _replay(streams: Sequence[Stream], alone: Side, bridged: Side) -> Ledger:
         if batch is not None:
             ledger.observe(stream.worker_id, batch, passed=not applied)
             rank = batch.data_parallel_rank or 0
-            ranks[index].add(rank)
             alone.last_rank[index] = bridged.last_rank[index] = rank
         pipeline.feed_record(record, decoded=batch)
     return ledger
