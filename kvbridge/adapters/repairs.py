@@ -2,7 +2,7 @@
 
 A replay that times out (or is skipped within its source's back-off) makes the batches it asked
 for a loss: a ``"lost"`` clear goes out and the stream goes on (see
-:mod:`~kvbridge.adapters.replay_client`). The engine may still hold those batches all the while;
+:mod:`~kvbridge.adapters.replay_recovery`). The engine may still hold those batches all the while;
 its replay socket was only slow, or busy, or a relay started while it was. Left at that, the
 worker's chains from before the loss stay unknown downstream, and every store that extends them
 is dropped (``orphan_parent``) until the engine evicts and recomputes them.
@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Final
 
 from kvbridge.adapters.replay_answer import Fetch, run_before
-from kvbridge.adapters.replay_client import ReplayClient, Replaying
+from kvbridge.adapters.replay_recovery import Recovery, Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
@@ -46,7 +46,7 @@ REPAIR_TRIES: Final = 6
 timeout of 2 s, the back-offs between them span about two minutes."""
 
 
-def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
+def repair(recovery: Recovery, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
     """The repair of ``stream`` (whose :meth:`~StreamState.repair_due` holds): a clear, the
     batches from :attr:`~StreamState.repair_from` (or a later one, no later than
     :attr:`~StreamState.repair_latest`) to the last delivered and the answer's batches after
@@ -65,19 +65,19 @@ def repair(client: ReplayClient, stream: StreamState) -> Replaying[list[Message 
     if not complete:
         stream.repair_from = None
         reason = "unanswered" if stream.replay_failures else "not held"
-        client.warn(
+        recovery.warn(
             "loss not repairable", (endpoint,), stream=endpoint, first=first, last=last, why=reason
         )
         return []
     if not stream.may_clear():  # as every reset's caller checks (repair_due did)
         return []
     stream.repair_from = None
-    client.stats.repairs += 1
+    recovery.stats.repairs += 1
     repaired = run[0].seq
     # Batches before the run: what they stored stays unknown downstream, as after the loss.
     unknown = {"not_restored": f"{first}-{repaired - 1}"} if repaired > first else {}
-    client.warn(
+    recovery.warn(
         "stream repaired", (endpoint,), stream=endpoint, first=repaired, last=last, **unknown
     )
     out: list[Message | StreamReset] = [stream.reset("repair"), *run]
-    return out + (yield from client.recover(stream, last + 1, None, answer))
+    return out + (yield from recovery.recover(stream, last + 1, None, answer))

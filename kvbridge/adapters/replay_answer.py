@@ -47,7 +47,7 @@ grace is for that thread being descheduled under load."""
 class Fetch:
     """A replay that a stream's sequencing waits for: every batch of ``stream`` from
     ``start``. The sequencing yields it and is sent the batches that came
-    (:data:`~kvbridge.adapters.replay_client.Replaying`)."""
+    (:data:`~kvbridge.adapters.replay_recovery.Replaying`)."""
 
     stream: StreamState
     start: int
@@ -190,7 +190,7 @@ def close_replay_sockets(
 def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:
     """Of the batches ``start .. end - 1`` in a replay ``answer``, the run that ends at
     ``end - 1`` unbroken (see
-    :meth:`ReplayClient.run_before <kvbridge.adapters.replay_client.ReplayClient.run_before>`)."""
+    :meth:`Recovery.run_before <kvbridge.adapters.replay_recovery.Recovery.run_before>`)."""
     run: list[Message] = []
     for message in answer:
         if message.seq >= end:

@@ -3,7 +3,7 @@
 What a message means can depend on a replay (a gap to fill, a publisher to check, the start of
 a stream): the sequencing of that message is a generator that yields a
 :class:`~kvbridge.adapters.replay_answer.Fetch` and is sent its answer
-(:data:`~kvbridge.adapters.replay_client.Replaying`). :class:`ReplaysInFlight` sends the
+(:data:`~kvbridge.adapters.replay_recovery.Replaying`). :class:`ReplaysInFlight` sends the
 request, parks the generator, and reads the answer as it arrives, in the subscriber's own poll;
 an answer that is over, or past the replay timeout, resumes its stream. Meanwhile the stream's
 own messages wait in ZMQ's queue, so its order is kept, and every other source is read as
@@ -27,9 +27,9 @@ from typing import Final
 
 import zmq
 
-from kvbridge.adapters.repairs import repair
 from kvbridge.adapters.replay_answer import Answer, Fetch, Replayed, close_replay_sockets
-from kvbridge.adapters.replay_client import ReplayClient, Replaying
+from kvbridge.adapters.replay_client import ReplayClient
+from kvbridge.adapters.replay_recovery import Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
@@ -64,13 +64,6 @@ class ReplaysInFlight:
         ``out``; a request goes out at once if there is a turn for it."""
         self._resume(stream, work, None, out)
         self._send_queued(out)
-
-    def repair(self, streams: Iterable[StreamState], out: list[Message | StreamReset]) -> None:
-        """Start the repair of each of ``streams`` that is due one and waits for no replay
-        (:mod:`~kvbridge.adapters.repairs`), its items onto ``out``."""
-        for stream in streams:
-            if stream.repair_due() and not self.waiting(stream):
-                self.run(stream, repair(self.client, stream), out)
 
     def wait_ms(self, timeout_ms: int, streams: Iterable[StreamState]) -> int:
         """``timeout_ms`` (negative: no bound), or less: until the first answer is due a look

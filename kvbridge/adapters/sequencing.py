@@ -6,13 +6,13 @@ message it reads comes here with its source's
 :class:`~kvbridge.adapters.stream_state.StreamState`. Per source:
 
 - **gap** (``seq > last + 1``): the missing batches are replayed
-  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.recover`);
+  (:meth:`~kvbridge.adapters.replay_recovery.Recovery.recover`);
 - **first message** not at sequence 0: replayed from 0 (or lost, without a replay endpoint);
 - **restart** (the sequence goes backwards, outside a window just covered by a replay): a
   :class:`StreamReset`, then the stream starts over;
 - **duplicate**: a live copy of a batch a replay already delivered is skipped;
 - **after a reconnect**, the publisher is checked
-  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`) as soon as the SUB
+  (:meth:`~kvbridge.adapters.replay_recovery.Recovery.check_publisher`) as soon as the SUB
   is connected again (:meth:`Sequencer.catch_up`), or by a message that continues the
   sequence before that: a new process is a restart, whatever its sequence numbers say. So is
   a check that goes unanswered, since consistency comes first, but its reset is marked
@@ -32,7 +32,7 @@ message it reads comes here with its source's
   subscriber tries at every poll), and the stream's next message starts it over. Before it come
   the batches the suspension skipped (from the loss, or from 0 for a new process) that the
   replay still holds, as the run that reaches that message
-  (:meth:`~kvbridge.adapters.replay_client.ReplayClient.run_before`); the others (up to
+  (:meth:`~kvbridge.adapters.replay_recovery.Recovery.run_before`); the others (up to
   ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
   token (the same process goes on, and the worker's block identities are kept downstream),
   else a ``"restart"``. (A stream released as a loss whose next message shows a new process
@@ -53,7 +53,7 @@ import structlog
 from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.replay_answer import Replayed, run_before
-from kvbridge.adapters.replay_client import ReplayClient, Replaying
+from kvbridge.adapters.replay_recovery import Recovery, Replaying
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
@@ -70,7 +70,7 @@ class Sequencer:
     stats: SubscriberStats
     warn: LogLimiter
     """The subscriber's limiter: one budget of lines per stream and event, whoever logs."""
-    replay: ReplayClient
+    recovery: Recovery
     _: KW_ONLY
     max_frame_bytes: int
     max_gap: int
@@ -132,7 +132,7 @@ class Sequencer:
         same: bool | None = True
         answer: Replayed | None = None  # the publisher check's, if one was asked
         if reconnected and resume and stream.last is not None:
-            same, answer = yield from self.replay.check_publisher(stream, stream.last)
+            same, answer = yield from self.recovery.check_publisher(stream, stream.last)
         if same is False:  # a new process: its batches from 0, its replay endpoint afresh
             self._replaced_after_clear(stream, seq)
             resume, answer = 0, None
@@ -145,7 +145,7 @@ class Sequencer:
             and seq - stream.counts_lost_from(resume) <= self.max_gap
         ):
             if answer is None:
-                run = yield from self.replay.run_before(stream, resume, seq)
+                run = yield from self.recovery.run_before(stream, resume, seq)
             else:  # the check's answer, from before the skipped batches (empty if unanswered)
                 run = run_before(resume, seq, answer)
             lost = seq - resume - len(run)
@@ -215,8 +215,8 @@ class Sequencer:
             return []
         stream.reconnected = False
         if last is None:
-            return (yield from self.replay.recover(stream, 0, None))
-        same, answer = yield from self.replay.check_publisher(stream, last)
+            return (yield from self.recovery.recover(stream, 0, None))
+        same, answer = yield from self.recovery.check_publisher(stream, last)
         if same:
             reached = max(answer.end or 0, answer[-1].seq + 1 if answer else 0)
             if reached > last + 1:  # a gap, as a live batch past it would have shown
@@ -229,14 +229,14 @@ class Sequencer:
                     first=last + 1,
                     through=reached - 1,
                 )
-            return (yield from self.replay.recover(stream, last + 1, None, answer))
+            return (yield from self.recovery.recover(stream, last + 1, None, answer))
         if same is False:
             stream.end_replay_back_off()
         if not stream.may_clear():
             stream.suspend(self.warn, "restart", resume_from=0, checked=same is False)
             return []
         reset = self._restarted(stream, None, checked=same is False)
-        return [reset, *(yield from self.replay.recover(stream, 0, None))]
+        return [reset, *(yield from self.recovery.recover(stream, 0, None))]
 
     def receive(
         self, stream: StreamState, frames: list[bytes]
@@ -283,7 +283,7 @@ class Sequencer:
         if stream.reconnected:
             stream.reconnected = False
             if last is not None and seq > last:
-                same, answer = yield from self.replay.check_publisher(stream, last)
+                same, answer = yield from self.recovery.check_publisher(stream, last)
                 checked, replaced = (answer, False) if same else (None, True)
                 unanswered = same is None
         if last is not None and (replaced or seq <= last):
@@ -316,7 +316,7 @@ class Sequencer:
             if last is not None:
                 self.stats.gaps += 1
                 self.info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
-            out.extend((yield from self.replay.recover(stream, expected, seq, checked)))
+            out.extend((yield from self.recovery.recover(stream, expected, seq, checked)))
             if stream.suspended:
                 self.stats.bad_frames[BadFrame.THROTTLED] += 1
                 return out

@@ -5,7 +5,8 @@ cannot tell whose message it received, and sequence numbers only mean something 
 (:class:`~kvbridge.adapters.stream_state.StreamState` is what is kept per source). The
 subscriber hands on raw frames and never decodes a payload; its consumer (the relay, the
 recorder) decides what a batch means. Replays, from the first batch of a stream or of a gap,
-go through :class:`~kvbridge.adapters.replay_client.ReplayClient`.
+go through :class:`~kvbridge.adapters.replay_client.ReplayClient`, and what their answers
+mean through :class:`~kvbridge.adapters.replay_recovery.Recovery`.
 
 What the sequence numbers of each message mean (gaps, restarts, duplicates, jumps, bad
 frames) is decided by :class:`~kvbridge.adapters.sequencing.Sequencer`; the subscriber itself
@@ -16,7 +17,7 @@ handles the sockets:
   :mod:`~kvbridge.adapters.sub_socket`). The engine may have been replaced by a new process
   whose sequence has already passed the old last, which the sequence numbers alone cannot
   show. So the publisher is checked (``reconnect_checks``,
-  :meth:`~kvbridge.adapters.replay_client.ReplayClient.check_publisher`) as soon as the SUB is
+  :meth:`~kvbridge.adapters.replay_recovery.Recovery.check_publisher`) as soon as the SUB is
   connected again (the handshake, seen by the same monitor), without waiting for a batch that
   an idle engine may not send: the same process's batches that the drop cost are replayed, a
   new one is a restart (``restarts``), see
@@ -33,10 +34,8 @@ handles the sockets:
 Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
 
 - **a budget per poll**: :meth:`Subscriber.poll` reads the ready sources round-robin, at most
-  :data:`POLL_ROUND` messages from each per round, at most ``source_budget`` from one source
-  [:data:`DEFAULT_SOURCE_BUDGET`] and ``poll_budget`` in all [:data:`DEFAULT_POLL_BUDGET`]; the
-  next poll starts with the source after the last one served. A fast source cannot starve the
-  others, and the consumer processes what it read before reading more.
+  ``source_budget`` messages from one source and ``poll_budget`` in all
+  (:mod:`~kvbridge.adapters.round_robin`), so that a fast source cannot starve the others.
 - **frame size**: ``MAXMSGSIZE`` on the SUB and DEALER sockets is ``max_frame_bytes`` plus
   :data:`MAXMSGSIZE_MARGIN`. A frame a little over ``max_frame_bytes`` is received and counted
   ``oversized``; ZMQ refuses a larger one at its size header, before buffering any of it, and
@@ -70,12 +69,15 @@ from kvbridge._closing import ClosedOnExit
 from kvbridge.adapters.endpoints import allow_ipv6, loopback
 from kvbridge.adapters.logs import LogLimiter
 from kvbridge.adapters.monitors import close_monitor, watch
+from kvbridge.adapters.repairs import repair
 from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_BYTES,
     DEFAULT_REPLAY_MAX_MESSAGES,
     ReplayClient,
 )
+from kvbridge.adapters.replay_recovery import Recovery
 from kvbridge.adapters.replays_in_flight import DEFAULT_MAX_REPLAYS, ReplaysInFlight
+from kvbridge.adapters.round_robin import DEFAULT_POLL_BUDGET, DEFAULT_SOURCE_BUDGET, RoundRobin
 from kvbridge.adapters.sequencing import Sequencer
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
@@ -101,12 +103,6 @@ MAX_FRAME_BYTES: Final = 2**63 - 1 - MAXMSGSIZE_MARGIN
 DEFAULT_RCVHWM: Final = 10_000
 """Messages ZMQ queues per SUB socket before it sheds (0: unbounded); a replay DEALER's holds
 a whole answer (:attr:`~kvbridge.adapters.replay_client.ReplayClient.answer_hwm`)."""
-DEFAULT_POLL_BUDGET: Final = 4096
-"""Messages one :meth:`Subscriber.poll` reads at most, over all sources."""
-DEFAULT_SOURCE_BUDGET: Final = 256
-"""Messages one :meth:`Subscriber.poll` reads at most from one source."""
-POLL_ROUND: Final = 32
-"""Messages read from a source before the next ready source gets its turn."""
 DEFAULT_MAX_GAP: Final = 1 << 20
 """A forward sequence jump larger than this is bad input, not a gap to replay."""
 DEFAULT_CLEAR_BURST: Final = 3
@@ -167,8 +163,6 @@ class Subscriber(ClosedOnExit):
         self.max_frame_bytes = max_frame_bytes
         self._maxmsgsize = max_frame_bytes + MAXMSGSIZE_MARGIN
         self.rcvhwm = rcvhwm
-        self.poll_budget = poll_budget
-        self.source_budget = source_budget
         self.stats = SubscriberStats()
         """Every source's counts: messages, gaps, replays, losses, restarts, bad frames..."""
         self._warn = LogLimiter(log.warning)
@@ -182,15 +176,11 @@ class Subscriber(ClosedOnExit):
             max_frame_bytes=max_frame_bytes,
             maxmsgsize=self._maxmsgsize,
             rcvhwm=rcvhwm,
-            max_gap=max_gap,
         )
-        """Gap replays and publisher checks, over a DEALER per request."""
+        """Replay answers, over a DEALER per request."""
+        self._recovery = Recovery(self.stats, self._warn, max_gap)
         self._sequencer = Sequencer(
-            self.stats,
-            self._warn,
-            self.replay_client,
-            max_frame_bytes=max_frame_bytes,
-            max_gap=max_gap,
+            self.stats, self._warn, self._recovery, max_frame_bytes=max_frame_bytes, max_gap=max_gap
         )
         self._poller = zmq.Poller()
         self.wakeup = Wakeup(self._poller)  # ends a waiting poll, from any thread
@@ -200,10 +190,10 @@ class Subscriber(ClosedOnExit):
         self._by_source: dict[Source, StreamState] = {}
         """The same streams by source (a stream keeps its source when its socket is replaced)."""
         self._monitors: dict[zmq.Socket[bytes], StreamState] = {}
-        self._order: dict[zmq.Socket[bytes], int] = {}
+        self._round_robin = RoundRobin[zmq.Socket[bytes]](
+            poll_budget=poll_budget, source_budget=source_budget
+        )
         self._catching_up: dict[StreamState, None] = {}  # connected again, to catch up
-        self._next_first = 0
-        """Where the next poll starts its round-robin (the source after the last served)."""
         self._monitor = monitor
         self._polled_at = time.monotonic()
         self._taken: list[Message | StreamReset] = []  # by a poll that raised
@@ -211,7 +201,7 @@ class Subscriber(ClosedOnExit):
             stream = StreamState(
                 source, self._open(source), clear_burst=clear_burst, clear_interval=clear_interval
             )
-            self._order[stream.socket] = len(self._streams)
+            self._round_robin.add(stream.socket)
             self._by_source[source] = stream
             self._attach(stream)
         starting = self._streams.values() if replay_on_start else ()
@@ -299,9 +289,11 @@ class Subscriber(ClosedOnExit):
             if stream.suspended and (reset := stream.release(stats, warn)) is not None
         )
         for stream in self._starting:
-            replays.run(stream, self.replay_client.recover(stream, 0, None), out)
+            replays.run(stream, self._recovery.recover(stream, 0, None), out)
         self._starting = []
-        replays.repair(self._streams.values(), out)
+        for stream in self._streams.values():
+            if stream.repair_due() and not replays.waiting(stream):
+                replays.run(stream, repair(self._recovery, stream), out)
         events = self._poller.poll(replays.wait_ms(timeout_ms, self._streams.values()))
         self.wakeup.woken(events)
         for socket, _ in events:
@@ -318,43 +310,22 @@ class Subscriber(ClosedOnExit):
 
     def _read(self, ready: list[zmq.Socket[bytes]], out: list[Message | StreamReset]) -> None:
         """Read the ``ready`` sources round-robin within the budgets, onto ``out``."""
-        if not ready:
-            return
-        streams, replays = self._streams, self._replays
-        order, count = self._order, len(self._order)
-        first = self._next_first
-        ready.sort(key=lambda socket: (order[socket] - first) % count)
-        budget = self.poll_budget
-        taken = dict.fromkeys(ready, 0)
-        last_served, resume = ready[0], 1
-        receive = self._sequencer.receive
-        while ready and budget > 0:
-            more: list[zmq.Socket[bytes]] = []
-            for socket in ready:
-                stream = streams[socket]
-                quota = min(POLL_ROUND, self.source_budget - taken[socket], budget)
-                read, waits = 0, False
-                while read < quota and (frames := recv_frames(socket)) is not None:
-                    read += 1
-                    items = receive(stream, frames)
-                    if isinstance(items, list):
-                        out.extend(items)
-                        continue
-                    replays.run(stream, items, out)
-                    if waits := replays.waiting(stream):
-                        break  # its next messages come after the answer
-                taken[socket] += read
-                budget -= read
-                if read == quota and taken[socket] < self.source_budget and not waits:
-                    more.append(socket)  # may hold more
-                if budget <= 0:
-                    # Cut short by the budget: the next poll starts with this source.
-                    cut_short = read < POLL_ROUND and read == quota
-                    last_served, resume = socket, 0 if cut_short else 1
-                    break
-                last_served, resume = socket, 1
-            ready = more
-        self._next_first = (order[last_served] + resume) % count
+        streams, replays, receive = self._streams, self._replays, self._sequencer.receive
+
+        def read_from(socket: zmq.Socket[bytes], quota: int) -> tuple[int, bool]:
+            stream, read = streams[socket], 0
+            while read < quota and (frames := recv_frames(socket)) is not None:
+                read += 1
+                items = receive(stream, frames)
+                if isinstance(items, list):
+                    out.extend(items)
+                    continue
+                replays.run(stream, items, out)
+                if replays.waiting(stream):
+                    return read, True  # its next messages come after the answer
+            return read, False
+
+        self._round_robin.read(ready, read_from)
 
     def _monitored(self, stream: StreamState) -> None:
         """``stream``'s drops, then a handshake after them: its catch-up, a bound SUB's too."""
@@ -381,10 +352,10 @@ class Subscriber(ClosedOnExit):
         if stream.address is not None:
             # A new socket: reconnecting the old one (disconnect, connect) can abort libzmq
             # 4.3.5 (fq.cpp "!_more") when the refused message was half queued.
-            order = self._order.pop(stream.socket)
+            old = stream.socket
             self._detach(stream)
             stream.socket = self._open(stream.source)
-            self._order[stream.socket] = order
+            self._round_robin.replace(old, stream.socket)
             self._attach(stream)
 
     def close(self) -> None:
@@ -393,5 +364,5 @@ class Subscriber(ClosedOnExit):
         for stream in list(self._streams.values()):
             self._detach(stream)
         self._by_source.clear()
-        self._order.clear()
+        self._round_robin.clear()
         self.wakeup.close()
