@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from kvbridge.adapters.replay_answer import Fetch, run_before
-from kvbridge.adapters.replay_recovery import Recovery, Replaying
+from kvbridge.adapters.replay_answer import Fetch, Replaying, run_before
+from kvbridge.adapters.replay_recovery import ReplayRecovery
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 
@@ -46,7 +46,7 @@ REPAIR_TRIES: Final = 6
 timeout of 2 s, the back-offs between them span about two minutes."""
 
 
-def repair(recovery: Recovery, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
+def repair(recovery: ReplayRecovery, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
     """The repair of ``stream`` (whose :meth:`~StreamState.repair_due` holds): a clear, the
     batches from :attr:`~StreamState.repair_from` (or a later one, no later than
     :attr:`~StreamState.repair_latest`) to the last delivered and the answer's batches after

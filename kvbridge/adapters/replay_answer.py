@@ -15,8 +15,9 @@ times out.) The replay client then asks again from the batch after that one, on 
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeAlias, TypeVar
 
 import zmq
 
@@ -31,6 +32,7 @@ __all__ = [
     "Answer",
     "Fetch",
     "Replayed",
+    "Replaying",
     "close_replay_sockets",
     "run_before",
 ]
@@ -47,7 +49,7 @@ grace is for that thread being descheduled under load."""
 class Fetch:
     """A replay that a stream's sequencing waits for: every batch of ``stream`` from
     ``start``. The sequencing yields it and is sent the batches that came
-    (:data:`~kvbridge.adapters.replay_recovery.Replaying`)."""
+    (:data:`Replaying`)."""
 
     stream: StreamState
     start: int
@@ -70,6 +72,13 @@ class Replayed(list[Message]):
         batch after that frame. Those before it that it did not deliver were skipped (too big,
         refused, or not a batch) and are lost; the engine held none after it. ``None``
         otherwise."""
+
+
+_T = TypeVar("_T")
+Replaying: TypeAlias = Generator[Fetch, Replayed, _T]
+"""Sequencing that may wait for replays: a generator that yields each :class:`Fetch`, is sent
+its batches, and returns its result. Whoever drives it sends the requests and reads the
+answers alongside everything else (see :mod:`~kvbridge.adapters.replays_in_flight`)."""
 
 
 @dataclass(eq=False)
@@ -190,7 +199,7 @@ def close_replay_sockets(
 def run_before(start: int, end: int, answer: list[Message]) -> list[Message]:
     """Of the batches ``start .. end - 1`` in a replay ``answer``, the run that ends at
     ``end - 1`` unbroken (see
-    :meth:`Recovery.run_before <kvbridge.adapters.replay_recovery.Recovery.run_before>`)."""
+    :meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.run_before`)."""
     run: list[Message] = []
     for message in answer:
         if message.seq >= end:

@@ -2,15 +2,17 @@
 batches a stream missed and reading the answer, within bounds.
 
 What an answer means for its stream is decided by
-:class:`~kvbridge.adapters.replay_recovery.Recovery`, which yields a
-:class:`~kvbridge.adapters.replay_answer.Fetch` where it needs one; the subscriber sends the
-request (:meth:`ReplayClient.begin`), reads the answer as it arrives
-(:meth:`ReplayClient.read`) and sends it back (:meth:`ReplayClient.end`).
+:class:`~kvbridge.adapters.replay_recovery.ReplayRecovery`, which yields a
+:class:`~kvbridge.adapters.replay_answer.Fetch` where it needs one; the subscriber's
+:class:`~kvbridge.adapters.replays_in_flight.ReplaysInFlight` sends the request
+(:meth:`ReplayClient.begin`), reads the answer as it arrives (:meth:`ReplayClient.read`) and
+sends it back (:meth:`ReplayClient.end`).
 
 A DEALER per request, closed with its answer, speaks both reply layouts (without a topic
 frame before vLLM 0.26, with one after; :mod:`~kvbridge.adapters.replay_protocol` has the
 frames): a late reply or the tail of an answer cut short is never read as the next answer's,
-and the DEALER's monitor sees the whole of its one connection. The bounds on one answer:
+and the DEALER's monitor sees the whole of its one connection. The bounds on one answer, and
+the back-off:
 
 - **size**: at most ``max_messages`` batches and ``max_bytes`` of payload are read
   [:data:`DEFAULT_REPLAY_MAX_MESSAGES`, :data:`DEFAULT_REPLAY_MAX_BYTES`]; the rest is

@@ -3,47 +3,39 @@ suspension missed, the same publisher or a new one after a reconnect, and a rese
 answer cannot deliver.
 
 The answers themselves are asked for and read by
-:class:`~kvbridge.adapters.replay_client.ReplayClient`; :class:`Recovery` only decides, so its
-methods are generators (:data:`Replaying`): they yield a
+:class:`~kvbridge.adapters.replay_client.ReplayClient`; :class:`ReplayRecovery` only decides, so its
+methods are generators (:data:`~kvbridge.adapters.replay_answer.Replaying`): they yield a
 :class:`~kvbridge.adapters.replay_answer.Fetch` where they need an answer, and whoever drives
 them (:class:`~kvbridge.adapters.replays_in_flight.ReplaysInFlight`) sends the request, reads
 the answer alongside everything else and sends it back. Their uses:
 
-- **recovery** (:meth:`Recovery.recover`): a gap, or the start of a stream, is filled from the
+- **recovery** (:meth:`ReplayRecovery.recover`): a gap, or the start of a stream, is filled from the
   replay. What it cannot deliver (an aged-out buffer, no replay endpoint, a timeout, a
   back-off, a refused batch) is counted ``lost`` and a
   :class:`~kvbridge.adapters.source.StreamReset` goes out at the point of the loss, since a
   lost removal would leave a stale block downstream (what a timeout or a back-off cost is
   repaired later if it can be, see :mod:`~kvbridge.adapters.repairs`);
-- **the publisher check** after a reconnect (:meth:`Recovery.check_publisher`): the batch
+- **the publisher check** after a reconnect (:meth:`ReplayRecovery.check_publisher`): the batch
   delivered last, replayed, must be the same bytes, or the publisher is a new process;
-- **a start-over** after a suspension (:meth:`Recovery.run_before`): the batches the
+- **a start-over** after a suspension (:meth:`ReplayRecovery.run_before`): the batches the
   suspension skipped, after the clear, as far as they reach the next live one unbroken.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
 
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_answer import Fetch, Replayed, run_before
+from kvbridge.adapters.replay_answer import Fetch, Replayed, Replaying, run_before
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import SubscriberStats
 
-__all__ = ["Recovery", "Replaying"]
-
-_T = TypeVar("_T")
-Replaying: TypeAlias = Generator[Fetch, Replayed, _T]
-"""Sequencing that may wait for replays: a generator that yields each :class:`Fetch`, is sent
-its batches, and returns its result. Whoever drives it sends the requests and reads the
-answers alongside everything else (see :mod:`~kvbridge.adapters.replays_in_flight`)."""
+__all__ = ["ReplayRecovery"]
 
 
 @dataclass(eq=False)
-class Recovery:
+class ReplayRecovery:
     """Recoveries for the streams of one subscriber, counted in the subscriber's stats;
     ``max_gap`` tells a loss from a resync."""
 

@@ -17,8 +17,9 @@ is at the socket's high-water mark, or the peer is gone) would drop it without a
 the rest, holes and all; this one is ``ROUTER_MANDATORY``, so the answer stops there instead,
 and is counted in :attr:`ReplaySocket.answers_cut` by reason and logged. The peer then sees an
 answer without its end marker, as it would see a relay that went away: its replay times out
-(kvbridge's own :class:`~kvbridge.adapters.replay_client.ReplayClient` keeps what arrived,
-counts a replay timeout, and counts the rest lost). The high-water mark leaves room for two
+(kvbridge's own :class:`~kvbridge.adapters.replay_client.ReplayClient` keeps what arrived and
+counts a replay timeout; its :class:`~kvbridge.adapters.replay_recovery.ReplayRecovery` counts
+the rest lost). The high-water mark leaves room for two
 whole answers per peer, so a peer that reads is not cut; one that asks again and again
 without reading is.
 """

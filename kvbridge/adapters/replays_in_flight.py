@@ -3,7 +3,7 @@
 What a message means can depend on a replay (a gap to fill, a publisher to check, the start of
 a stream): the sequencing of that message is a generator that yields a
 :class:`~kvbridge.adapters.replay_answer.Fetch` and is sent its answer
-(:data:`~kvbridge.adapters.replay_recovery.Replaying`). :class:`ReplaysInFlight` sends the
+(:data:`~kvbridge.adapters.replay_answer.Replaying`). :class:`ReplaysInFlight` sends the
 request, parks the generator, and reads the answer as it arrives, in the subscriber's own poll;
 an answer that is over, or past the replay timeout, resumes its stream. Meanwhile the stream's
 own messages wait in ZMQ's queue, so its order is kept, and every other source is read as
@@ -27,9 +27,14 @@ from typing import Final
 
 import zmq
 
-from kvbridge.adapters.replay_answer import Answer, Fetch, Replayed, close_replay_sockets
+from kvbridge.adapters.replay_answer import (
+    Answer,
+    Fetch,
+    Replayed,
+    Replaying,
+    close_replay_sockets,
+)
 from kvbridge.adapters.replay_client import ReplayClient
-from kvbridge.adapters.replay_recovery import Replaying
 from kvbridge.adapters.source import Message, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 

@@ -6,13 +6,13 @@ message it reads comes here with its source's
 :class:`~kvbridge.adapters.stream_state.StreamState`. Per source:
 
 - **gap** (``seq > last + 1``): the missing batches are replayed
-  (:meth:`~kvbridge.adapters.replay_recovery.Recovery.recover`);
+  (:meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.recover`);
 - **first message** not at sequence 0: replayed from 0 (or lost, without a replay endpoint);
 - **restart** (the sequence goes backwards, outside a window just covered by a replay): a
   :class:`StreamReset`, then the stream starts over;
 - **duplicate**: a live copy of a batch a replay already delivered is skipped;
 - **after a reconnect**, the publisher is checked
-  (:meth:`~kvbridge.adapters.replay_recovery.Recovery.check_publisher`) as soon as the SUB
+  (:meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.check_publisher`) as soon as the SUB
   is connected again (:meth:`Sequencer.catch_up`), or by a message that continues the
   sequence before that: a new process is a restart, whatever its sequence numbers say. So is
   a check that goes unanswered, since consistency comes first, but its reset is marked
@@ -32,7 +32,7 @@ message it reads comes here with its source's
   subscriber tries at every poll), and the stream's next message starts it over. Before it come
   the batches the suspension skipped (from the loss, or from 0 for a new process) that the
   replay still holds, as the run that reaches that message
-  (:meth:`~kvbridge.adapters.replay_recovery.Recovery.run_before`); the others (up to
+  (:meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.run_before`); the others (up to
   ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
   token (the same process goes on, and the worker's block identities are kept downstream),
   else a ``"restart"``. (A stream released as a loss whose next message shows a new process
@@ -52,8 +52,8 @@ import structlog
 
 from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_answer import Replayed, run_before
-from kvbridge.adapters.replay_recovery import Recovery, Replaying
+from kvbridge.adapters.replay_answer import Replayed, Replaying, run_before
+from kvbridge.adapters.replay_recovery import ReplayRecovery
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
@@ -70,12 +70,16 @@ class Sequencer:
     stats: SubscriberStats
     warn: LogLimiter
     """The subscriber's limiter: one budget of lines per stream and event, whoever logs."""
-    recovery: Recovery
+    recovery: ReplayRecovery
     _: KW_ONLY
     max_frame_bytes: int
-    max_gap: int
     info: LogLimiter = field(default_factory=lambda: LogLimiter(log.info), init=False)
     """Gaps, which are expected under load, at info level."""
+
+    @property
+    def max_gap(self) -> int:
+        """The largest forward jump that is a gap, not bad input: its recovery's."""
+        return self.recovery.max_gap
 
     def _bad(self, stream: StreamState, reason: BadFrame, seq: int | None = None) -> None:
         stream.skip_frame(self.stats, self.warn, reason, seq)

@@ -6,7 +6,7 @@ cannot tell whose message it received, and sequence numbers only mean something 
 subscriber hands on raw frames and never decodes a payload; its consumer (the relay, the
 recorder) decides what a batch means. Replays, from the first batch of a stream or of a gap,
 go through :class:`~kvbridge.adapters.replay_client.ReplayClient`, and what their answers
-mean through :class:`~kvbridge.adapters.replay_recovery.Recovery`.
+mean through :class:`~kvbridge.adapters.replay_recovery.ReplayRecovery`.
 
 What the sequence numbers of each message mean (gaps, restarts, duplicates, jumps, bad
 frames) is decided by :class:`~kvbridge.adapters.sequencing.Sequencer`; the subscriber itself
@@ -17,7 +17,7 @@ handles the sockets:
   :mod:`~kvbridge.adapters.sub_socket`). The engine may have been replaced by a new process
   whose sequence has already passed the old last, which the sequence numbers alone cannot
   show. So the publisher is checked (``reconnect_checks``,
-  :meth:`~kvbridge.adapters.replay_recovery.Recovery.check_publisher`) as soon as the SUB is
+  :meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.check_publisher`) as soon as the SUB is
   connected again (the handshake, seen by the same monitor), without waiting for a batch that
   an idle engine may not send: the same process's batches that the drop cost are replayed, a
   new one is a restart (``restarts``), see
@@ -34,7 +34,9 @@ handles the sockets:
 Limits, so that no input can take the subscriber's memory or time (defaults in brackets):
 
 - **a budget per poll**: :meth:`Subscriber.poll` reads the ready sources round-robin, at most
-  ``source_budget`` messages from one source and ``poll_budget`` in all
+  ``source_budget`` [:data:`~kvbridge.adapters.round_robin.DEFAULT_SOURCE_BUDGET`] messages
+  from one source and ``poll_budget`` [:data:`~kvbridge.adapters.round_robin.DEFAULT_POLL_BUDGET`]
+  in all
   (:mod:`~kvbridge.adapters.round_robin`), so that a fast source cannot starve the others.
 - **frame size**: ``MAXMSGSIZE`` on the SUB and DEALER sockets is ``max_frame_bytes`` plus
   :data:`MAXMSGSIZE_MARGIN`. A frame a little over ``max_frame_bytes`` is received and counted
@@ -75,7 +77,7 @@ from kvbridge.adapters.replay_client import (
     DEFAULT_REPLAY_MAX_MESSAGES,
     ReplayClient,
 )
-from kvbridge.adapters.replay_recovery import Recovery
+from kvbridge.adapters.replay_recovery import ReplayRecovery
 from kvbridge.adapters.replays_in_flight import DEFAULT_MAX_REPLAYS, ReplaysInFlight
 from kvbridge.adapters.round_robin import DEFAULT_POLL_BUDGET, DEFAULT_SOURCE_BUDGET, RoundRobin
 from kvbridge.adapters.sequencing import Sequencer
@@ -178,9 +180,9 @@ class Subscriber(ClosedOnExit):
             rcvhwm=rcvhwm,
         )
         """Replay answers, over a DEALER per request."""
-        self._recovery = Recovery(self.stats, self._warn, max_gap)
+        self._recovery = ReplayRecovery(self.stats, self._warn, max_gap)
         self._sequencer = Sequencer(
-            self.stats, self._warn, self._recovery, max_frame_bytes=max_frame_bytes, max_gap=max_gap
+            self.stats, self._warn, self._recovery, max_frame_bytes=max_frame_bytes
         )
         self._poller = zmq.Poller()
         self.wakeup = Wakeup(self._poller)  # ends a waiting poll, from any thread
