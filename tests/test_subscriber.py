@@ -452,9 +452,10 @@ def test_a_restart_ends_the_replay_back_off(ctx: zmq.Context[zmq.Socket[bytes]])
 def test_a_restart_that_finds_no_clear_token_ends_the_replay_back_off_too(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """A restart met while the clears are spent suspends the stream; when it starts over, the
-    new process's replay endpoint is asked although the old one's back-off still runs, so
-    what the new process sent meanwhile is replayed, not lost."""
+    """A restart met while the clears are spent suspends the stream; when it is released and
+    starts over, the new process's replay endpoint is asked although the old one's back-off
+    still runs, so what the new process sent meanwhile is replayed, not lost. A gap after that
+    is replayed as usual."""
     payloads = [encoded([stored(block_hashes([i] * 4, BS), [i] * 4)], ts=TS0 + i) for i in range(4)]
     publisher = Publisher(LOCAL, bind=True, replay_endpoint=LOCAL, context=ctx)  # not serving
     source = Source(f"tcp://*:{port_of(publisher.endpoint)}", publisher.replay_endpoint, 1)
@@ -476,17 +477,16 @@ def test_a_restart_that_finds_no_clear_token_ends_the_replay_back_off_too(
         publisher.publish(payloads[3])  # its batch 0: a restart, and no token for its clear
         items += poll_until(
             subscriber,
-            lambda: stats.bad_frames[BadFrame.THROTTLED] and not subscriber.suspended(source),
-        )  # until the token is back (0.5 s) and it is cleared
+            lambda: stats.bad_frames[BadFrame.THROTTLED] and stats.replayed == 1,
+        )  # until the token is back (0.5 s), it is cleared and its batch 0 replayed
         for payload in payloads[:3]:  # batches 1-3, which the subscriber misses
             publisher.publish(payload, send=False)
-        publisher.publish(payloads[3])  # batch 4: past the old process's last
-        items += receive(subscriber, 5)
+        publisher.publish(payloads[3])  # batch 4: past the old process's last, replayed
+        items += receive(subscriber, 4)
         final = deepcopy(stats)
 
     assert shape(items) == [
-        (0, False), ("lost", 1), (2, False), ("restart", 0), *((seq, True) for seq in range(4)),
-        (4, False),
+        (0, False), ("lost", 1), (2, False), ("restart", 0), *((seq, True) for seq in range(5)),
     ]  # fmt: skip
     assert [item.payload for item in items[-5:] if isinstance(item, Message)] == [
         payloads[3],
@@ -494,9 +494,10 @@ def test_a_restart_that_finds_no_clear_token_ends_the_replay_back_off_too(
     ]
     assert final == SubscriberStats(
         messages=4,
-        gaps=1,
-        replays=2,
-        replayed=4,
+        gaps=2,
+        replays=3,
+        replayed=5,
+        duplicates=1,
         replay_timeouts=1,
         lost=1,
         restarts=1,
@@ -565,8 +566,9 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
 ) -> None:
     """A loss that finds no clear token suspends the stream, and its release clears the worker
     with a ``"lost"`` reset of 0 batches: how many are lost is known only when the stream
-    starts over. The watch's lost cell for the worker says what the subscriber's total says,
-    the start-over's loss included (a buffer of two batches), not only the resets' 2."""
+    starts over, from the replay the release asks for. The watch's lost cell for the worker
+    says what the subscriber's total says, the start-over's loss included (a buffer of two
+    batches), not only the resets' 2."""
     publisher, source = engine_publisher(ctx, buffer_steps=2)
     payloads = [encoded([], ts=TS0 + seq) for seq in range(10)]
     with (
@@ -587,9 +589,9 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
         published(range(0), 0, lambda: subscriber.last_seq(source) == 0)
         # 1..3 lost on the way; the replay still holds 3 and 4: 1 and 2 lost, the token spent
         published(range(1, 4), 4, lambda: subscriber.last_seq(source) == 4)
-        # 5..7 lost; the replay holds 7 and 8, and no token is left: suspended, then released
-        published(range(5, 8), 8, lambda: subscriber.stats.resyncs == 1)
-        # the start-over at 9 replays 8 (the buffer holds 8 and 9): 5, 6 and 7 lost
+        # 5..7 lost, and no token is left: suspended, then released; the start-over replays 7
+        # and 8 (the buffer holds them): 5 and 6 lost
+        published(range(5, 8), 8, lambda: subscriber.last_seq(source) == 8)
         published(range(0), 9, lambda: subscriber.last_seq(source) == 9)
         rows, footer = view.rows(), view.footer()
         lost = subscriber.lost_batches(source)
@@ -600,12 +602,13 @@ def test_the_watch_counts_per_worker_what_a_start_over_lost(
         (3, True),
         (4, True),
         ("lost", 0),
+        (7, True),
         (8, True),
         (9, False),
     ]
-    assert lost == subscriber.stats.lost == 5
-    assert rows[0][COLUMNS.index("lost")] == "5"
-    assert " | lost 5 | " in footer[0]
+    assert lost == subscriber.stats.lost == 4
+    assert rows[0][COLUMNS.index("lost")] == "4"
+    assert " | lost 4 | " in footer[0]
 
 
 @contextmanager
@@ -633,7 +636,7 @@ def _replaced_and_released(
 
 
 @pytest.mark.parametrize(
-    ("serve", "unsent", "expected", "checked", "counts"),
+    ("serve", "unsent", "expected", "checked", "counts", "release_replays"),
     [
         (
             True,
@@ -641,6 +644,7 @@ def _replaced_and_released(
             [("lost", 4), (4, True), (5, True), ("restart", 0)],
             [True, True],
             {"duplicates": 1, "replays": 2, "replayed": 2, "lost": 4},
+            1,  # the release's replay from 0: the new process holds nothing yet
         ),
         (
             False,
@@ -648,6 +652,7 @@ def _replaced_and_released(
             [("lost", 1), (1, False), ("restart", 0)],
             [True, False],
             {"replays": 2, "replay_timeouts": 2, "lost": 1},
+            1,  # the release's replay from 0, unanswered (no poll after it reads its timeout)
         ),
     ],
     ids=["new process", "unanswered"],
@@ -659,6 +664,7 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
     expected: list[tuple[object, ...]],
     checked: list[bool],
     counts: dict[str, int],
+    release_replays: int,
 ) -> None:
     """With one clear allowed every 3 s and that one spent on a loss at the stream's start,
     the catch-up after a drop finds a new, idle process (its replay of the old last is empty),
@@ -688,7 +694,8 @@ def test_a_restart_found_by_the_catch_up_waits_for_a_clear_token(
     assert [item.checked for item in items if isinstance(item, StreamReset)] == checked
     counts |= {"messages": 1, "disconnects": 1, "reconnect_checks": 1}
     assert suspended == SubscriberStats(**counts)
-    assert final == SubscriberStats(**counts, restarts=1)
+    released = counts | {"replays": counts["replays"] + release_replays}
+    assert final == SubscriberStats(**released, restarts=1)
 
 
 @pytest.mark.parametrize("max_gap", [DEFAULT_MAX_GAP, 2], ids=["default max_gap", "max_gap 2"])
@@ -697,8 +704,9 @@ def test_a_released_unanswered_check_counts_only_the_batches_after_the_last(
 ) -> None:
     """An unanswered check that found no clear token suspends the stream; the clear goes out
     when the token is back. When the same process then goes on at 4, two batches after the
-    last delivered (1), only 2 and 3 count as lost: the replay from 0 of the start-over finds
-    nothing, but 0 and 1 were delivered before the clear if the process is the same. The loss
+    last delivered (1), only 2 and 3 count as lost: the replay from 0 that the release asks
+    for finds nothing (unanswered), and the start-over's is skipped in the back-off that
+    began, but 0 and 1 were delivered before the clear if the process is the same. The loss
     is within ``max_gap`` by what counts (2), not by what the replay was asked for (4)."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
@@ -742,6 +750,7 @@ def test_a_released_unanswered_check_counts_only_the_batches_after_the_last(
         reconnect_checks=1,
         replays=3,
         replay_timeouts=3,
+        replays_skipped=1,
         restarts=1,
         lost=3,
     )
@@ -1085,10 +1094,10 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     """An engine that restarts more often than clears are allowed (3, then one every
     ``interval``) suspends its stream. If it then goes quiet, its worker is cleared as soon as
     a clear token is back, not when it next sends (which may be never): the index does not
-    keep the blocks of the process before. Its next message starts the stream over without
-    another clear, after the new process's batches the suspension skipped, replayed: its
-    blocks are all indexed. (The interval is long enough for the four restarts to land before
-    a token is back, even on a slow machine.)"""
+    keep the blocks of the process before. Nor does it wait for that message to start the
+    stream over: the new process's batches the suspension skipped are replayed at once, and
+    their blocks indexed. Its next message follows them. (The interval is long enough for the
+    four restarts to land before a token is back, even on a slow machine.)"""
     interval = 3.0
     prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
     payloads = [
@@ -1118,6 +1127,11 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
         )
         cleared_after = time.monotonic() - first_restart
         assert not relay.subscriber.suspended(source)
+        wait_until(
+            lambda: overlaps(index, prompts[4:5]) == [{(1, 0): (3, 3, 3)}],
+            lambda: relay.step(20),
+            lambda: "the batch the suspension skipped was not replayed while the engine is quiet",
+        )
 
         deliver(relay, source, publisher.publish(payloads[5]))
         final = deepcopy(stats)
@@ -1197,10 +1211,12 @@ def test_a_stream_suspended_by_a_loss_is_released_with_a_loss_reset(
 def test_a_released_stream_replays_what_its_suspension_skipped_that_the_buffer_holds(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    """A stream suspended by a loss starts over, after its release, with the run of skipped
-    batches the engine's replay buffer still holds up to its next message; the rest count as
-    lost. Three losses spend the clear tokens (a buffer of two batches, three batches unsent
-    each time), the fourth suspends the stream at batch 13."""
+    """A stream suspended by a loss starts over as soon as it is released, without waiting
+    for its next message, with the run of skipped batches the engine's replay buffer still
+    holds, up to the last it holds; the rest count as lost. Three losses spend the clear tokens
+    (a buffer of two batches, three batches unsent each time), the fourth suspends the stream
+    at batch 13: on release the buffer holds 15 and 16, and 13 and 14 are lost. The next
+    message, 17, follows them in order."""
     interval = 3.0
     prompts = [list(range(k * 100, k * 100 + 8)) for k in range(18)]
     payloads = [
@@ -1235,19 +1251,20 @@ def test_a_released_stream_replays_what_its_suspension_skipped_that_the_buffer_h
 
     rounds = [[("lost", 2), (first + 2, True), (first + 3, True)] for first in (1, 5, 9)]
     assert shape(seen) == [
-        (0, False), *rounds[0], *rounds[1], *rounds[2], ("lost", 0), (16, True), (17, False)
+        (0, False), *rounds[0], *rounds[1], *rounds[2], ("lost", 0), (15, True), (16, True),
+        (17, False),
     ]  # fmt: skip
     assert final == SubscriberStats(
         messages=6,
         gaps=4,
         replays=5,
-        replayed=7,
+        replayed=8,
         duplicates=3,
-        lost=9,
+        lost=8,
         resyncs=1,
         bad_frames=Counter({BadFrame.THROTTLED: 1}),
     )
-    assert overlaps(index, prompts) == [{}] * 16 + [{(1, 0): (2, 2, 2)}] * 2
+    assert overlaps(index, prompts) == [{}] * 15 + [{(1, 0): (2, 2, 2)}] * 3
 
 
 def sequenced(subscriber: Subscriber, source: Source, seq: int) -> list[Message | StreamReset]:

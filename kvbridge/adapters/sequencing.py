@@ -29,11 +29,13 @@ message it reads comes here with its source's
   message is skipped and counted ``throttled`` until a token is back. Then the clear goes out
   at once (a restart for a new process, else a resync:
   :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
-  subscriber tries at every poll), and the stream's next message starts it over. Before it come
-  the batches the suspension skipped (from the loss, or from 0 for a new process) that the
-  replay still holds, as the run that reaches that message
-  (:meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.run_before`); the others (up to
-  ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
+  subscriber tries at every poll), and the stream starts over at once: the batches the
+  suspension skipped (from the loss, or from 0 for a new process) that the replay still holds,
+  as the run that ends at the last it holds (:meth:`Sequencer.start_over_released`), so that
+  an engine gone quiet is indexed again without waiting for its next batch. If that replay
+  cannot be had, the stream's next message starts it over, with the run that reaches it
+  (:meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.run_before`). Either way the others
+  (up to ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
   token (the same process goes on, and the worker's block identities are kept downstream),
   else a ``"restart"``. (A stream released as a loss whose next message shows a new process
   starts over without a second clear: the identities it keeps are what the engine hashes
@@ -195,6 +197,38 @@ class Sequencer:
             last=stream.last,
             counted="resync",
         )
+
+    def start_over_released(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
+        """The start-over of a stream whose suspension was just released
+        (:meth:`~kvbridge.adapters.stream_state.StreamState.release`, its clear sent), without
+        waiting for its next message, which an engine gone quiet may not send for a long time:
+        the run of the batches the suspension skipped that the replay holds, up to the last
+        batch the engine holds; those before the run count as lost, as :meth:`_start_over`
+        counts them. Meanwhile the worker's blocks from that run would be unknown downstream.
+
+        Nothing is done (the next message starts the stream over, as before) for a jump's
+        suspension (its skipped batches mean nothing), a drop since (its publisher is to be
+        checked first), a replay endpoint in its back-off (it did not answer lately), an
+        answer that does not say where the engine's batches end, or one with nothing to
+        deliver. Live copies of the run's batches that come after it are duplicates."""
+        resume = stream.resume_from
+        if resume is None or stream.reconnected or time.monotonic() < stream.replay_resumes_at:
+            return []
+        run, end = yield from self.recovery.run_to_end(stream, resume)
+        if not run or not stream.starting_over or stream.reconnected:
+            return []
+        if end - stream.counts_lost_from(resume) > self.max_gap:
+            return []  # a jump's distance: left to the next message, as _start_over leaves it
+        stream.starting_over = False
+        stream.resume_from = stream.jumped_to = None
+        lost = end - resume - len(run)
+        if lost:
+            stream.lose(self.stats, self.warn, resume, lost)
+        for message in run:
+            stream.delivered(message.seq, message.payload)
+        stream.live_last, stream.replayed_through = resume - 1, run[-1].seq
+        self.stats.replayed += len(run)
+        return [*run]
 
     def catch_up(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
         """What a drop cost ``stream``, once its SUB is connected again, without waiting for

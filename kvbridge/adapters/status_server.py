@@ -67,8 +67,8 @@ class SourceHealth(msgspec.Struct, frozen=True):
     """The seq of the last batch delivered, ``None`` before the first."""
     suspended: bool
     """The stream needed a clear with its clear tokens spent: what it sends is skipped until a
-    token is back, when the clear goes out (whether or not the source sends) and the next
-    message starts the stream over."""
+    token is back, when the clear goes out (whether or not the source sends) and the stream
+    starts over from the engine's replay (or at its next message)."""
 
 
 class Health(msgspec.Struct, frozen=True):

@@ -91,11 +91,11 @@ class StreamState:
         self.resume_from: int | None = None
         """The first batch a suspension skipped, that the replay may still hold: the loss's
         first batch, or 0 for a new process. When the stream starts over, the run of them that
-        reaches its next message is replayed (see :mod:`~kvbridge.adapters.sequencing`).
+        the replay holds is delivered (see :mod:`~kvbridge.adapters.sequencing`).
         ``None`` for a jump, whose skipped batches mean nothing."""
         self.starting_over = False
-        """Cleared when a token came back after a suspension: the next message starts the
-        stream over, without another clear."""
+        """Cleared when a token came back after a suspension: the stream is to start over,
+        without another clear, from the replay its release asks for or at its next message."""
         self.jumped_to: int | None = None
         """The sequence of the last message skipped as a jump, to notice a stream that moved."""
         self.last: int | None = None
@@ -264,8 +264,9 @@ class StreamState:
 
         The clear goes out as soon as it is allowed, not with the source's next message: a
         source gone quiet would otherwise leave its worker's blocks from before the
-        discontinuity downstream for as long as it stays quiet. Its next message then starts
-        the stream over (:attr:`starting_over`). The reset is of the kind the suspension was
+        discontinuity downstream for as long as it stays quiet. The stream then starts over
+        (:attr:`starting_over`), from the replay the subscriber asks for at once or at its
+        next message. The reset is of the kind the suspension was
         for (:attr:`suspended_for`), and counted as a restart or a resync
         (:meth:`count_start_over`)."""
         if not (self.suspended and self.may_clear()):

@@ -285,11 +285,11 @@ class Subscriber(ClosedOnExit):
     def _ready(self, timeout_ms: int, out: list[Message | StreamReset]) -> list[zmq.Socket[bytes]]:
         """The sources ready to be read, after the clears, monitors and replays (onto ``out``)."""
         stats, warn, replays = self.stats, self._warn, self._replays
-        out.extend(
-            reset
-            for stream in self._streams.values()
-            if stream.suspended and (reset := stream.release(stats, warn)) is not None
-        )
+        for stream in self._streams.values():
+            if stream.suspended and (reset := stream.release(stats, warn)) is not None:
+                out.append(reset)
+                if not replays.waiting(stream):
+                    replays.run(stream, self._sequencer.start_over_released(stream), out)
         for stream in self._starting:
             replays.run(stream, self._recovery.recover(stream, 0, None), out)
         self._starting = []
