@@ -296,8 +296,9 @@ def test_a_new_process_found_as_a_suspended_stream_starts_over_is_not_repaired(
 ) -> None:
     """An engine whose replay never answers loses batches 1-2 (a repair from 1 waits), then
     4-5, which find no clear token: the stream is suspended. The engine is replaced by a new
-    process, found as the stream starts over: its batches are replayed from 0, and the old
-    process's repair is dropped, since a repair from 1 would clear the new one's batch 0."""
+    process, found as the stream starts over on its release: its batches are replayed from 0,
+    and the old process's repair is dropped, since a repair from 1 would clear the new one's
+    batch 0."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
     first = engine_on(ctx, base, serve=False)()
@@ -314,7 +315,9 @@ def test_a_new_process_found_as_a_suspended_stream_starts_over_is_not_repaired(
             for seq in range(10):
                 second.publish(b"new %d" % seq, send=False)
             assert second.wait_for_subscribers(timeout=TIMEOUT)
-            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+            # Released: the drop ended the back-off, so the publisher is checked and the new
+            # process replayed from 0 at once.
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 9)
             second.publish(b"new 10")
             items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 10)
             items += poll_for(subscriber, 2.5)  # past the back-off and a new token: no repair

@@ -105,6 +105,7 @@ class Sequencer:
         """No token for the clear a restart or a jump needs: skip until one is back, then
         resync (and replay from ``resume_from``)."""
         stream.suspend(self.warn, "restart", seq, resume_from=resume_from, checked=checked)
+        stream.skipped_last = seq
         self.stats.bad_frames[BadFrame.THROTTLED] += 1
 
     def _resync(
@@ -185,7 +186,7 @@ class Sequencer:
         stream.live_last = stream.replayed_through = -1
         return reset
 
-    def _replaced_after_clear(self, stream: StreamState, seq: int) -> None:
+    def _replaced_after_clear(self, stream: StreamState, seq: int | None) -> None:
         """Log a new process found as its stream starts over after a loss's clear. That clear
         went out, counted as a resync; each clear is counted once, so no restart is."""
         endpoint = stream.source.endpoint
@@ -205,28 +206,50 @@ class Sequencer:
         the run of the batches the suspension skipped that the replay holds, up to the last
         batch the engine holds; those before the run count as lost, as :meth:`_start_over`
         counts them. Meanwhile the worker's blocks from that run would be unknown downstream.
+        A drop since the suspension began is checked first, as :meth:`_start_over` checks it:
+        a new process is replayed from 0.
 
         Nothing is done (the next message starts the stream over, as before) for a jump's
-        suspension (its skipped batches mean nothing), a drop since (its publisher is to be
-        checked first), a replay endpoint in its back-off (it did not answer lately), an
-        answer that does not say where the engine's batches end, or one with nothing to
-        deliver. Live copies of the run's batches that come after it are duplicates."""
-        resume = stream.resume_from
-        if resume is None or stream.reconnected or time.monotonic() < stream.replay_resumes_at:
+        suspension (its skipped batches mean nothing) or a skip already past ``max_gap``, a
+        replay endpoint in its back-off (it did not answer lately), a publisher check that
+        goes unanswered, a drop or a message during the wait, an answer that does not say
+        where the engine's batches end, or one with nothing to deliver. Live copies of the
+        run's batches that come after it are duplicates, down to the last live message read
+        (:attr:`~kvbridge.adapters.stream_state.StreamState.skipped_last`)."""
+        resume, skipped = stream.resume_from, stream.skipped_last
+        if resume is None or time.monotonic() < stream.replay_resumes_at:
             return []
-        run, end = yield from self.recovery.run_to_end(stream, resume)
-        if not run or not stream.starting_over or stream.reconnected:
+        if skipped is not None and skipped - stream.counts_lost_from(resume) > self.max_gap:
+            return []  # a jump's distance: left to the next message, as _start_over leaves it
+        drops = stream.drops
+        checked: Replayed | None = None
+        if stream.reconnected and resume and stream.last is not None:
+            same, checked = yield from self.recovery.check_publisher(stream, stream.last)
+            if same is None or stream.drops != drops or not stream.starting_over:
+                return []
+            if same is False:  # a new process: its batches from 0
+                self._replaced_after_clear(stream, None)
+                stream.forget_process()
+                stream.suspended_for, stream.resume_from = "restart", 0
+                resume, checked = 0, None
+        if checked is None:
+            run, end = yield from self.recovery.run_to_end(stream, resume)
+        else:  # the check's answer, from before the skipped batches
+            end = resume if checked.end is None else checked.end
+            run = run_before(resume, end, checked)
+        if not run or stream.drops != drops or not stream.starting_over:
             return []
         if end - stream.counts_lost_from(resume) > self.max_gap:
-            return []  # a jump's distance: left to the next message, as _start_over leaves it
-        stream.starting_over = False
+            return []
+        stream.starting_over = stream.reconnected = False
         stream.resume_from = stream.jumped_to = None
         lost = end - resume - len(run)
         if lost:
             stream.lose(self.stats, self.warn, resume, lost)
         for message in run:
             stream.delivered(message.seq, message.payload)
-        stream.live_last, stream.replayed_through = resume - 1, run[-1].seq
+        read = resume - 1 if skipped is None else min(skipped, run[-1].seq)
+        stream.live_last, stream.replayed_through = read, run[-1].seq
         self.stats.replayed += len(run)
         return [*run]
 
@@ -356,6 +379,7 @@ class Sequencer:
                 self.info("gap detected", (endpoint,), stream=endpoint, expected=expected, seq=seq)
             out.extend((yield from self.recovery.recover(stream, expected, seq, checked)))
             if stream.suspended:
+                stream.skipped_last = seq
                 self.stats.bad_frames[BadFrame.THROTTLED] += 1
                 return out
             stream.live_last = seq

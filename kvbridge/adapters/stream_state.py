@@ -34,6 +34,7 @@ class StreamState:
         "address",
         "clear_burst",
         "clear_interval",
+        "drops",
         "jumped_to",
         "last",
         "last_payload",
@@ -48,6 +49,7 @@ class StreamState:
         "replay_resumes_at",
         "replayed_through",
         "resume_from",
+        "skipped_last",
         "socket",
         "source",
         "starting_over",
@@ -98,6 +100,13 @@ class StreamState:
         without another clear, from the replay its release asks for or at its next message."""
         self.jumped_to: int | None = None
         """The sequence of the last message skipped as a jump, to notice a stream that moved."""
+        self.skipped_last: int | None = None
+        """The sequence of the last live message read since the suspension began (skipped, or
+        the one whose recovery suspended the stream); ``None`` if none was. Live copies of a
+        start-over's batches that come after it are duplicates only above this: one at or
+        below it is a new sequence."""
+        self.drops = 0
+        """Connections of this stream that dropped, to tell a drop during a replay's wait."""
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
         self.last_payload = b""
@@ -340,6 +349,7 @@ class StreamState:
         self.suspended_for = reason
         self.suspension_checked = checked
         self.resume_from = resume_from
+        self.skipped_last = seq
         endpoint = self.source.endpoint
         at = {} if seq is None else {"seq": seq}
         warn("clears throttled, stream suspended", (endpoint,), stream=endpoint, **at)

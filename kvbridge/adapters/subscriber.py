@@ -349,6 +349,7 @@ class Subscriber(ClosedOnExit):
         reopened (a bound one is reconnected by its peer); the publisher is to be checked, or
         a stream with nothing delivered replayed from 0 (see the module's "reconnects")."""
         stream.reconnected = True
+        stream.drops += 1
         stream.end_replay_back_off()
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:

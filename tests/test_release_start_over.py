@@ -1,0 +1,147 @@
+"""A suspended stream's release starts it over at once, from the engine's replay
+(``Sequencer.start_over_released``), and what comes after that start-over: another restart of
+the engine, and a drop while the stream was suspended. The tests of the release itself (its
+clear, its run, its losses) are with the subscriber's in ``test_subscriber.py`` and
+``test_replay_answers.py``."""
+
+from __future__ import annotations
+
+import zmq
+from support.polling import TIMEOUT, poll_until, receive, wait_until
+from support.rebind import bound_again, engine_on, listener_gone
+from support.reference import overlaps
+from support.relayed import BS, deliver, relayed
+
+from kvbridge.adapters.ports import free_port_range
+from kvbridge.adapters.source import Message, Source
+from kvbridge.adapters.stream_stats import BadFrame
+from kvbridge.adapters.subscriber import Subscriber
+from kvbridge.testing.events import TS0, encoded, stored
+from kvbridge.testing.vllm_hashes import block_hashes
+
+
+def test_a_restart_after_a_released_streams_start_over_is_a_restart(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Four restarts in place (the sequence back to 0, no drop) spend the clear tokens and
+    suspend the stream; its release replays the fourth process's batch 0, which its live copy
+    had been skipped for. The engine then restarts again, its new batch 0 the next message: a
+    restart, not a late copy of the replayed batch 0, so the fourth process's block goes and the
+    fifth's is indexed once its clear is allowed. (Taken for a copy, the fourth's block would
+    stay, and the fifth's batch would be dropped uncounted.)"""
+    interval = 3.0
+    prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
+    payloads = [
+        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
+    ]
+    with relayed(ctx, clear_interval=interval) as (publisher, source, relay, index, _):
+        stats = relay.subscriber.stats
+        deliver(relay, source, publisher.publish(payloads[0]))
+        for restarts, payload in enumerate(payloads[1:5], start=1):
+            publisher.restart()
+            assert publisher.publish(payload) == 0
+            wait_until(
+                lambda n=restarts: stats.restarts + stats.bad_frames[BadFrame.THROTTLED] >= n,
+                lambda: relay.step(20),
+                lambda: stats,
+            )
+        assert relay.subscriber.suspended(source)
+        wait_until(
+            lambda: overlaps(index, prompts[4:5]) == [{(1, 0): (3, 3, 3)}],
+            lambda: relay.step(20),
+            lambda: "the release did not replay the fourth process's batch",
+            timeout=interval + TIMEOUT,
+        )
+        publisher.restart()  # in place again, while quiet
+        assert publisher.publish(payloads[5]) == 0
+        wait_until(lambda: stats.messages == 6, lambda: relay.step(20), lambda: stats)
+        assert stats.duplicates == 0
+        wait_until(
+            lambda: overlaps(index, prompts[4:6]) == [{}, {(1, 0): (3, 3, 3)}],
+            lambda: relay.step(20),
+            lambda: ("the fourth process's block stayed, or the fifth's is missing", stats),
+            timeout=2 * interval + TIMEOUT,
+        )
+        assert stats.restarts == 5
+
+
+def test_a_release_after_a_drop_replays_a_quiet_new_process(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The engine is replaced twice: the first new process spends the one clear token, the
+    second suspends the stream. A third replaces it while the stream is suspended (a drop,
+    whose catch-up waits for the suspension), sends two batches that the stream misses and goes
+    quiet. The release replays them from 0 at once: the drop needs no publisher check, since a
+    restart's start-over takes everything from 0 of whatever process is there."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    engine = engine_on(ctx, base)
+    first = engine()
+    with Subscriber([source], context=ctx, clear_burst=1, clear_interval=3.0) as subscriber:
+        stats = subscriber.stats
+        assert first.wait_for_subscribers(timeout=TIMEOUT)
+        first.publish(b"first 0")
+        items = receive(subscriber, 1)
+        previous = first
+        for drops, tag in enumerate((b"second", b"third"), start=1):
+            previous.close()
+            listener_gone(base)
+            items += poll_until(subscriber, lambda n=drops: stats.disconnects == n)
+            previous = bound_again(engine)
+            previous.publish(tag + b" 0", send=False)
+            assert previous.wait_for_subscribers(timeout=TIMEOUT)
+            if drops == 1:  # a restart, its clear the token
+                items += poll_until(subscriber, lambda: stats.restarts == 1)
+            else:  # no token left: suspended
+                items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        previous.close()
+        listener_gone(base)
+        items += poll_until(subscriber, lambda: stats.disconnects == 3)
+        with bound_again(engine) as fourth:
+            fourth.publish(b"fourth 0", send=False)
+            fourth.publish(b"fourth 1", send=False)
+            assert fourth.wait_for_subscribers(timeout=TIMEOUT)
+            items += poll_until(subscriber, lambda: not subscriber.suspended(source))
+            items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 1)
+
+    delivered = [item.payload for item in items if isinstance(item, Message)]
+    assert delivered == [b"first 0", b"second 0", b"fourth 0", b"fourth 1"]
+    assert stats.restarts == 2
+
+
+def test_a_release_past_max_gap_asks_for_no_replay(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """With ``max_gap`` 3 and a replay buffer of two batches, the loss of 1 and 2 spends the one
+    clear token, and that of 5 and 6 suspends the stream, whose live 8, 9 and 10 are skipped.
+    Released, the stream has skipped past ``max_gap`` from the loss (10 - 5): as for a jump,
+    its start-over replays nothing, and no replay is asked for on release. Its next message,
+    11, goes on."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    with (
+        engine_on(ctx, base, buffer_steps=2)() as engine,
+        Subscriber(
+            [source], context=ctx, clear_burst=1, clear_interval=3.0, max_gap=3
+        ) as subscriber,
+    ):
+        stats = subscriber.stats
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        for seq in (1, 2, 3):
+            engine.publish(b"batch %d" % seq, send=False)
+        engine.publish(b"batch 4")
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 4)
+        for seq in (5, 6, 7):
+            engine.publish(b"batch %d" % seq, send=False)
+        engine.publish(b"batch 8")
+        items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        for seq in (9, 10):
+            engine.publish(b"batch %d" % seq)
+        items += poll_until(subscriber, lambda: stats.bad_frames[BadFrame.THROTTLED] == 3)
+        assert stats.replays == 2
+        items += poll_until(subscriber, lambda: stats.resyncs == 1, timeout=2 * TIMEOUT)
+        engine.publish(b"batch 11")
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 11)
+
+    assert stats.replays == 2
+    assert [item.seq for item in items if isinstance(item, Message)] == [0, 3, 4, 11]
