@@ -145,3 +145,45 @@ def test_a_release_past_max_gap_asks_for_no_replay(ctx: zmq.Context[zmq.Socket[b
 
     assert stats.replays == 2
     assert [item.seq for item in items if isinstance(item, Message)] == [0, 3, 4, 11]
+
+
+def test_a_release_before_the_reconnect_leaves_the_catch_up_to_the_handshake(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A loss suspends the stream from 3; then its SUB's connection drops while the engine and
+    its replay socket go on (the PUB unbound), and the release comes before the SUB is
+    connected again: it checks the publisher (the same) and delivers 4. Batch 5, sent while no
+    SUB is connected, is taken by the catch-up that follows the handshake, not left until the
+    engine sends again."""
+    base = free_port_range(2)
+    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
+    address = f"tcp://127.0.0.1:{base}"
+    with (
+        engine_on(ctx, base)() as engine,
+        Subscriber([source], context=ctx, clear_burst=1, clear_interval=2.0) as subscriber,
+    ):
+        stats = subscriber.stats
+        assert engine.wait_for_subscribers(timeout=TIMEOUT)
+        engine.publish(b"batch 0")
+        items = receive(subscriber, 1)
+        engine.publish(b"batch 2", seq=2)  # 1 never was: a loss, its clear the token
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 2)
+        engine.publish(b"batch 4", seq=4)  # 3 never was: no token, suspended from 3
+        items += poll_until(subscriber, lambda: subscriber.suspended(source))
+        # The engine's PUB socket replaced (a test double of a connection lost while the
+        # engine goes on): the SUB's connection drops, the replay buffer and socket stay.
+        assert engine._pub is not None
+        engine._pub.close(0)
+        listener_gone(base)
+        engine._pub = ctx.socket(zmq.PUB)
+        items += poll_until(subscriber, lambda: stats.disconnects == 1)
+        items += poll_until(
+            subscriber, lambda: subscriber.last_seq(source) == 4, timeout=2 * TIMEOUT
+        )
+        engine.publish(b"batch 5")  # no SUB connected: the PUB drops it
+        engine._pub.bind(address)
+        items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 5)
+
+    delivered = [(item.seq, item.payload) for item in items if isinstance(item, Message)]
+    assert delivered == [(0, b"batch 0"), (2, b"batch 2"), (4, b"batch 4"), (5, b"batch 5")]
+    assert (stats.lost, stats.restarts, stats.reconnect_checks) == (2, 0, 2)

@@ -207,7 +207,10 @@ class Sequencer:
         batch the engine holds; those before the run count as lost, as :meth:`_start_over`
         counts them. Meanwhile the worker's blocks from that run would be unknown downstream.
         A drop since the suspension began is checked first, as :meth:`_start_over` checks it:
-        a new process is replayed from 0.
+        a new process is replayed from 0. If the SUB is not connected again yet, the drop's
+        own catch-up still follows its handshake (:meth:`catch_up`), for what the engine sent
+        meanwhile; one that comes before this start-over (and finds the stream still starting
+        over) runs it instead.
 
         Nothing is done (the next message starts the stream over, as before) for a jump's
         suspension (its skipped batches mean nothing) or a skip already past ``max_gap``, a
@@ -241,14 +244,18 @@ class Sequencer:
             return []
         if end - stream.counts_lost_from(resume) > self.max_gap:
             return []
-        stream.starting_over = stream.reconnected = False
+        stream.starting_over = False
+        stream.reconnected = stream.reconnected and not stream.connected  # else its catch-up
         stream.resume_from = stream.jumped_to = None
         lost = end - resume - len(run)
         if lost:
             stream.lose(self.stats, self.warn, resume, lost)
         for message in run:
             stream.delivered(message.seq, message.payload)
-        read = resume - 1 if skipped is None else min(skipped, run[-1].seq)
+        if skipped is None:  # no live message read since the suspension began
+            read = stream.live_last if resume else -1
+        else:
+            read = min(skipped, run[-1].seq)
         stream.live_last, stream.replayed_through = read, run[-1].seq
         self.stats.replayed += len(run)
         return [*run]
@@ -268,10 +275,13 @@ class Sequencer:
         from 0, as its first message past 0 would have it replayed: a new process found by
         the last catch-up may have sent its first batches while the connection was down again.
         Nothing to do if the stream's next message got there first, or if there is no replay
-        endpoint to ask."""
+        endpoint to ask; a stream released but not yet started over is started over
+        (:meth:`start_over_released`)."""
         last = stream.last
-        if not stream.reconnected or stream.suspended or stream.starting_over:
+        if not stream.reconnected or stream.suspended:
             return []
+        if stream.starting_over:
+            return (yield from self.start_over_released(stream))
         if not stream.source.replay_endpoint:
             return []
         stream.reconnected = False

@@ -34,6 +34,7 @@ class StreamState:
         "address",
         "clear_burst",
         "clear_interval",
+        "connected",
         "drops",
         "jumped_to",
         "last",
@@ -107,6 +108,8 @@ class StreamState:
         below it is a new sequence."""
         self.drops = 0
         """Connections of this stream that dropped, to tell a drop during a replay's wait."""
+        self.connected = True
+        """False from a drop until the handshake after it (when the drop's catch-up runs)."""
         self.last: int | None = None
         """Highest sequence delivered, live or through a replay."""
         self.last_payload = b""

@@ -341,6 +341,7 @@ class Subscriber(ClosedOnExit):
             return  # no handshake, or the replaced socket's
         if stream.address is None:  # reading the old peer's leftovers checked that one
             stream.reconnected = stream.reconnected or stream.last is not None
+        stream.connected = True
         self._catching_up[stream] = None
 
     def _disconnected(self, stream: StreamState) -> None:
@@ -349,7 +350,9 @@ class Subscriber(ClosedOnExit):
         reopened (a bound one is reconnected by its peer); the publisher is to be checked, or
         a stream with nothing delivered replayed from 0 (see the module's "reconnects")."""
         stream.reconnected = True
+        stream.connected = False
         stream.drops += 1
+        stream.skipped_last = None  # what the old connection read says nothing of the new one
         stream.end_replay_back_off()
         self._warn("source disconnected", (stream.source.endpoint,), stream=stream.source.endpoint)
         if stream.address is not None:
