@@ -10,7 +10,7 @@ import zmq
 from support.polling import TIMEOUT, poll_until, receive, wait_until
 from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import overlaps
-from support.relayed import BS, deliver, relayed
+from support.relayed import BS, deliver, relayed, restarted_in_place
 
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.source import Message, Source
@@ -37,14 +37,7 @@ def test_a_restart_after_a_released_streams_start_over_is_a_restart(
     with relayed(ctx, clear_interval=interval) as (publisher, source, relay, index, _):
         stats = relay.subscriber.stats
         deliver(relay, source, publisher.publish(payloads[0]))
-        for restarts, payload in enumerate(payloads[1:5], start=1):
-            publisher.restart()
-            assert publisher.publish(payload) == 0
-            wait_until(
-                lambda n=restarts: stats.restarts + stats.bad_frames[BadFrame.THROTTLED] >= n,
-                lambda: relay.step(20),
-                lambda: stats,
-            )
+        restarted_in_place(relay, publisher, payloads[1:5])
         assert relay.subscriber.suspended(source)
         wait_until(
             lambda: overlaps(index, prompts[4:5]) == [{(1, 0): (3, 3, 3)}],

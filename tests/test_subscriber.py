@@ -50,6 +50,7 @@ from support.relayed import (
     engine_publisher,
     port_of,
     relayed,
+    restarted_in_place,
     spy,
     suspend_after_two_losses,
 )
@@ -1110,14 +1111,7 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
         stats = relay.subscriber.stats
         deliver(relay, source, publisher.publish(payloads[0]))
         first_restart = time.monotonic()  # the bucket is full (3 tokens) until this one
-        for restarts, payload in enumerate(payloads[1:5], start=1):
-            publisher.restart()
-            assert publisher.publish(payload) == 0
-            wait_until(
-                lambda n=restarts: stats.restarts + stats.bad_frames[BadFrame.THROTTLED] >= n,
-                lambda: relay.step(20),
-                lambda: stats,
-            )
+        restarted_in_place(relay, publisher, payloads[1:5])
         # The fourth restart found no token: skipped, and the index still holds what the
         # engine held before it.
         assert relay.subscriber.suspended(source)

@@ -13,6 +13,7 @@ from kvbridge import TieredIndex
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
 from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.stream_stats import BadFrame
 from kvbridge.adapters.subscriber import (
     DEFAULT_CLEAR_INTERVAL_S,
     DEFAULT_REPLAY_TIMEOUT_S,
@@ -132,3 +133,19 @@ def suspend_after_two_losses(
             items += poll_until(subscriber, lambda: subscriber.last_seq(source) == 1 + lost)
     items += poll_until(subscriber, lambda: subscriber.suspended(source))
     return items
+
+
+def restarted_in_place(relay: Relay, engine: Publisher, payloads: list[bytes]) -> None:
+    """Restart ``engine`` in place (its sequence back to 0, its connection kept) once for each
+    of ``payloads``, which is the new process's batch 0, and step ``relay`` until it has
+    counted each restart, or skipped its batch while out of clear tokens."""
+    stats = relay.subscriber.stats
+    done = stats.restarts + stats.bad_frames[BadFrame.THROTTLED]
+    for restarts, payload in enumerate(payloads, start=done + 1):
+        engine.restart()
+        assert engine.publish(payload) == 0
+        wait_until(
+            lambda n=restarts: stats.restarts + stats.bad_frames[BadFrame.THROTTLED] >= n,
+            lambda: relay.step(20),
+            lambda: stats,
+        )
