@@ -9,7 +9,9 @@ per ``BlockStored``, chained on the last cached block), one-block decode stores,
 ``BlockRemoved`` per evicted GPU block, and a CPU offload tier that announces its stores either
 self-describing (tokens and parent) or as placeholders (hashes only) and evicts in small groups.
 The stream carries no ``AllBlocksCleared``. Each engine step with events becomes one payload,
-encoded with :func:`kvbridge.schemas.vllm.encode_batch` in the layout of the variant.
+encoded with :func:`kvbridge.schemas.vllm.encode_batch` in the layout of the variant; in the
+``map/1`` variant each event becomes a payload of its own (about two blocks each), so that the
+cost of a call shows as an engine that frees or fills a block or two per step makes it count.
 
 For every variant, on the same payloads and in the same run, alternating within each
 repetition, it times:
@@ -34,14 +36,15 @@ repetitions alternating with this process's. Its events are compared with (e)'s,
 
 A block is one entry of an event's ``block_hashes`` (stored or removed); throughput is blocks per
 second of the best (fastest) repetition, the median is printed alongside. The acceptance targets
-are (d)/(a) >= 3.0 and (e)/(a) >= 1.0 on every variant.
+are (d)/(a) >= 3.0 and (e)/(a) >= 1.0 on every variant of one payload a step; ``map/1`` is
+printed, not counted against them.
 
 Each repetition's minor page faults are counted too, and priced at what a first touch of a
 fresh page costs on this machine (measured before the runs): a new normalizer grows its state
 from empty, and (a) allocates nothing that outlives a payload.
 
 ``--breakdown`` adds, alternating in the same way, where (d) and (e) spend their time: the core
-alone (a loop of ``_core.Normalizer.normalize``), the core with every store dropped (its
+alone (a loop of ``_core.Normalizer.process``), the core with every store dropped (its
 decoder, nearly alone), the core's two writers, msgspec building the ``TieredEvent`` values from
 the core's bytes, and the Python wrapper ``Normalizer.process``.
 
@@ -358,6 +361,9 @@ class Variant:
     release: str
     block_size: int
     bytes_hashes: bool
+    one_event_each: bool = False
+    """Each event a payload of its own, as an engine whose steps each free or fill a block or
+    two publishes them: the cost of a call, not of a block."""
 
 
 VARIANTS = (
@@ -366,6 +372,7 @@ VARIANTS = (
     Variant("0.32.0 map   int   bs32", "0.32.0", 32, False),
     Variant("0.22.0 array int   bs16", "0.22.0", 16, False),
     Variant("0.22.0 array bytes bs16", "0.22.0", 16, True),
+    Variant("0.32.0 map/1 int   bs16", "0.32.0", 16, False, one_event_each=True),
 )
 
 
@@ -401,7 +408,11 @@ def encode_steps(steps: list[list[tuple[Any, ...]]], variant: Variant) -> list[b
                         extra_keys=None if not any(extra) else extra,
                     )
                 )
-        payloads.append(encoded(events, ts=TS0 + number * 0.01, release=variant.release))
+        ts = TS0 + number * 0.01
+        if variant.one_event_each:
+            payloads.extend(encoded([event], ts=ts, release=variant.release) for event in events)
+        else:
+            payloads.append(encoded(events, ts=ts, release=variant.release))
     return payloads
 
 
@@ -479,7 +490,7 @@ def _core_normalizer(block_size: int) -> Any:
 
 
 def run_core(case: Case) -> None:
-    normalize = _core_normalizer(case.block_size).normalize
+    normalize = _core_normalizer(case.block_size).process
     for seq, payload in enumerate(case.payloads):
         normalize(payload, seq)
 
@@ -487,19 +498,19 @@ def run_core(case: Case) -> None:
 def run_core_decode(case: Case) -> None:
     # registered with another block size: every store is dropped after decoding and admission,
     # every removal finds nothing; what is left is the decoder
-    normalize = _core_normalizer(case.block_size + 1).normalize
+    normalize = _core_normalizer(case.block_size + 1).process
     for seq, payload in enumerate(case.payloads):
         normalize(payload, seq)
 
 
 def run_core_canonical(case: Case) -> None:
-    normalize = _core_normalizer(case.block_size).normalize
+    normalize = _core_normalizer(case.block_size).process
     for seq, payload in enumerate(case.payloads):
         normalize(payload, seq).canonical_payloads(TS)
 
 
 def run_core_tiered(case: Case) -> None:
-    normalize = _core_normalizer(case.block_size).normalize
+    normalize = _core_normalizer(case.block_size).process
     for seq, payload in enumerate(case.payloads):
         normalize(payload, seq).tiered_events()
 
@@ -736,7 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         by_kind, events_by_kind = count_blocks(case.payloads)
         blocks, events = by_kind.total(), events_by_kind.total()
         if args.breakdown:
-            normalize = _core_normalizer(variant.block_size).normalize
+            normalize = _core_normalizer(variant.block_size).process
             case.tiered = [normalize(p, seq).tiered_events() for seq, p in enumerate(case.payloads)]
         digest, stats = events_digest(case)
         before = None
@@ -745,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "release": variant.release,
             "block_size": variant.block_size,
             "bytes_hashes": variant.bytes_hashes,
+            "one_event_each": variant.one_event_each,
             "payloads": len(case.payloads),
             "bytes": sum(map(len, case.payloads)),
             "events": events,
@@ -802,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names[1:]:
             ratios[name] = ratio = _ratio(rates[name], rates["(a) msgpack"])
             cells += f" {ratio['best']:5.2f} ({ratio['median']:4.2f})"
-            if name in worst:
+            if name in worst and not result["one_event_each"]:
                 worst[name] = min(worst[name], ratio["best"])
         result["ratios"] = ratios
         print(f"{result['name']:<24} {result['blocks']:>7} {cells}")
@@ -891,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, target in TARGETS.items():
         verdict = "met" if worst[name] >= target else "NOT met"
         verdicts.append(f"worst {name[:3]}/(a) = {worst[name]:.2f}: target {target} {verdict}")
-    print("\n" + "; ".join(verdicts))
+    print("\n" + "; ".join(verdicts) + " (over the variants of one payload a step; map/1 is apart)")
     print(f"total {time.perf_counter() - started:.1f} s")
     if args.json is not None:
         write_results(

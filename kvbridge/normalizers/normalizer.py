@@ -7,13 +7,12 @@ three at the source: every engine hash is rewritten to Dynamo's rolling sequence
 block's content, residency is reference-counted per (dp_rank, tier, block), and placeholders
 are resolved through a per-rank map from engine hash to canonical block.
 
-The work is done by the Rust core, :mod:`kvbridge._core`, on the payload's bytes with the GIL
-released; this class is its typed face.
+The work is done by the Rust core, :mod:`kvbridge._core`, on the payload's bytes (with the GIL
+released for any but small ones); this class is its typed face.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterable
 from enum import StrEnum
@@ -23,7 +22,6 @@ import structlog
 
 from kvbridge import _core
 from kvbridge.normalizers.batch import TIERED_EVENTS, NormalizedBatch
-from kvbridge.schemas.errors import SchemaError
 from kvbridge.schemas.tiers import Tier, TieredEvent
 from kvbridge.schemas.vllm import LAYOUTS, VllmBatch, encode_batch
 
@@ -122,13 +120,8 @@ class Normalizer:
             max_contexts,
             TIERED_EVENTS.decode,
         )
-        self._lock = threading.Lock()
-        """The core works without the GIL: a reader on another thread (a metrics scrape)
-        waits for it here instead of finding its state borrowed."""
-        self._acquire = self._lock.acquire
-        self._release = self._lock.release
-        """The lock's methods, bound once: ``process`` takes it per payload, and ``with``
-        costs twice what the two calls do."""
+        self._process = self._core.process
+        """The core's entry point, bound once: it is called per payload."""
         self._first_drops = self._core.first_drops
         """The core appends each reason dropped for the first time here; empty otherwise."""
         self._log = structlog.get_logger("kvbridge.normalizer").bind(worker_id=worker_id)
@@ -163,21 +156,11 @@ class Normalizer:
         that rank's blocks.
         """
         if type(batch) is bytes:
-            payload, unknown = batch, 0
+            output = self._process(batch, seq, reset_first)
         elif isinstance(batch, VllmBatch):
-            payload, unknown = _payload_of(batch), batch.unknown_fields
+            output = self._process(_payload_of(batch), seq, reset_first, batch.unknown_fields)
         else:
-            payload, unknown = bytes(batch), 0
-        self._acquire()
-        try:
-            output = self._core.normalize(payload, seq, reset_first)
-            if unknown:
-                self._core.add_unknown_fields(unknown)
-        except _core.PayloadError as error:
-            message, event_index, field = error.args
-            raise SchemaError(message, event_index=event_index, field=field) from None
-        finally:
-            self._release()
+            output = self._process(bytes(batch), seq, reset_first)
         if self._first_drops:
             self._log_first_drops()
         return output
@@ -206,55 +189,44 @@ class Normalizer:
         use rather than when vLLM happens to recompute them.
         """
         if not keep_identities:
-            with self._lock:
-                return self._core.reset(dp_rank)
+            return self._core.reset(dp_rank)
         if dp_rank is None:
             raise ValueError("keep_identities resets one rank: give its dp_rank")
-        with self._lock:
-            return self._core.reset_lost(dp_rank)
+        return self._core.reset_lost(dp_rank)
 
     def process_snapshot(self, dp_rank: int) -> NormalizedBatch:
         """Everything a rank holds, for a consumer that knows nothing: a clear of the rank,
         then a store of every resident block on each tier, parents first. A relay answers a
         replay request older than its buffer with this, and opens a stream with it."""
-        with self._lock:
-            return self._core.snapshot(dp_rank)
+        return self._core.snapshot(dp_rank)
 
     @property
     def reanchored_blocks(self) -> int:
         """Blocks announced again after a loss because a store named them as its ancestors."""
-        with self._lock:
-            return self._core.reanchored_blocks
+        return self._core.reanchored_blocks
 
     @property
     def forwarded(self) -> Counter[tuple[str, Tier]]:
         """Blocks forwarded, by (``"stored"`` | ``"removed"`` | ``"cleared"``, tier); a clear
         counts once per tier."""
-        with self._lock:
-            return Counter({(kind, _TIERS[tier]): n for kind, tier, n in self._core.forwarded()})
+        return Counter({(kind, _TIERS[tier]): n for kind, tier, n in self._core.forwarded()})
 
     @property
     def dropped(self) -> Counter[tuple[str, str, str]]:
         """Blocks not forwarded, by (``"stored"`` | ``"removed"``, tier or ``"unknown"``,
         :class:`DropReason`)."""
-        with self._lock:
-            return Counter(
-                {(kind, tier, reason): n for kind, tier, reason, n in self._core.dropped()}
-            )
+        return Counter({(kind, tier, reason): n for kind, tier, reason, n in self._core.dropped()})
 
     @property
     def unknown_fields(self) -> int:
         """Unknown fields the decoder ignored in this stream's batches."""
-        with self._lock:
-            return self._core.unknown_fields
+        return self._core.unknown_fields
 
     @property
     def stats(self) -> Counter[str]:
         """Blocks not forwarded, by :class:`DropReason`, plus ``unknown_field``."""
         totals: Counter[str] = Counter()
-        with self._lock:
-            dropped = self._core.dropped()
-        for _, _, reason, count in dropped:
+        for _, _, reason, count in self._core.dropped():
             totals[reason] += count
         if self.unknown_fields:
             totals[DropReason.UNKNOWN_FIELD] = self.unknown_fields
@@ -263,36 +235,30 @@ class Normalizer:
     @property
     def dp_ranks(self) -> list[int]:
         """The data-parallel ranks this stream has named, sorted."""
-        with self._lock:
-            return self._core.dp_ranks()
+        return self._core.dp_ranks()
 
     def resident_blocks(self, dp_rank: int, tier: Tier) -> int:
         """How many distinct blocks are resident on one tier of one rank."""
-        with self._lock:
-            return self._core.resident_blocks(dp_rank, _TIERS.index(tier))
+        return self._core.resident_blocks(dp_rank, _TIERS.index(tier))
 
     @property
     def evictions(self) -> dict[str, int]:
         """State given up to stay within the caps: ``ranks`` forgotten (and cleared
         downstream), ``blocks`` evicted (and removed downstream), and ``context_compactions``
         of the (LoRA name, cache salt) table."""
-        with self._lock:
-            ranks, blocks, compactions = self._core.evictions()
+        ranks, blocks, compactions = self._core.evictions()
         return {"ranks": ranks, "blocks": blocks, "context_compactions": compactions}
 
     def tracked_blocks(self) -> tuple[int, int]:
         """Engine hashes the state holds, over every rank: (live, retired)."""
-        with self._lock:
-            return self._core.tracked_blocks()
+        return self._core.tracked_blocks()
 
     def heap_bytes(self) -> int:
         """Bytes of heap the state holds, by the core's own accounting."""
-        with self._lock:
-            return self._core.heap_bytes()
+        return self._core.heap_bytes()
 
     def _log_first_drops(self) -> None:
-        with self._lock:
-            first_drops = self._core.take_first_drops()
+        first_drops = self._core.take_first_drops()
         for reason, kind, tier, medium in first_drops:
             self._log.warning("event dropped", reason=reason, kind=kind, tier=tier, medium=medium)
 

@@ -10,6 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use pyo3::PyTraverseError;
 
+use crate::normalizer::RELEASE_GIL_BYTES;
+
 /// The canonical events of one batch, kept as the core wrote them until a view is asked for:
 /// `kvbridge.normalizers.batch.NormalizedBatch`, a sequence of `TieredEvent`s built on first
 /// use.
@@ -124,13 +126,15 @@ impl PyOutput {
 
     /// The relay's canonical vLLM payloads, one per dp-rank run.
     fn canonical_payloads<'py>(&self, py: Python<'py>, ts: f64) -> PyResult<Bound<'py, PyList>> {
-        let payloads = py.detach(|| self.output.canonical_payloads(self.block_size, ts));
+        let write = || self.output.canonical_payloads(self.block_size, ts);
+        let payloads = released_if(py, large(&self.output), write);
         PyList::new(py, payloads.iter().map(|payload| PyBytes::new(py, payload)))
     }
 
     /// The msgpack of `list[TieredEvent]`.
     fn tiered_events<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let bytes = py.detach(|| self.output.tiered_events(self.worker_id));
+        let write = || self.output.tiered_events(self.worker_id);
+        let bytes = released_if(py, large(&self.output), write);
         PyBytes::new(py, &bytes)
     }
 }
@@ -156,12 +160,33 @@ pub(crate) fn canonical_payloads<'py>(
             "outputs of normalizers with different block sizes",
         ));
     }
-    let payloads = py.detach(|| {
-        let outputs: Vec<(&Output, f64)> = outputs
-            .iter()
-            .map(|(output, ts)| (&output.get().output, *ts))
-            .collect();
+    let outputs: Vec<(&Output, f64)> = outputs
+        .iter()
+        .map(|(output, ts)| (&output.get().output, *ts))
+        .collect();
+    let to_write: usize = outputs.iter().map(|(output, _)| write_size(output)).sum();
+    let payloads = released_if(py, to_write >= RELEASE_GIL_BYTES, || {
         kvbridge_core::canonical_payloads(&outputs, block_size, max_bytes)
     });
     PyList::new(py, payloads.iter().map(|payload| PyBytes::new(py, payload)))
+}
+
+/// About how many bytes the writers write for `output`: its token bytes and its hashes.
+fn write_size(output: &Output) -> usize {
+    output.token_msgpack.len() + 9 * (2 * output.blocks.len() + output.hashes.len())
+}
+
+/// Whether writing `output` is worth releasing the GIL for: as for a payload
+/// ([`RELEASE_GIL_BYTES`]).
+fn large(output: &Output) -> bool {
+    write_size(output) >= RELEASE_GIL_BYTES
+}
+
+/// `work`'s result, computed with the GIL released if `release`.
+fn released_if<T: Send>(py: Python<'_>, release: bool, work: impl FnOnce() -> T + Send) -> T {
+    if release {
+        py.detach(work)
+    } else {
+        work()
+    }
 }

@@ -2,7 +2,8 @@
 //!
 //! A batch crosses as bytes in both directions: the payload in, and out either the relay's
 //! canonical payloads or the msgpack of `TieredEvent`s that msgspec builds in one pass. The GIL
-//! is released while the core works, and no Python object is made per event, block or token.
+//! is released while the core works on a large batch, and no Python object is made per event,
+//! block or token.
 
 mod batch;
 mod decode_view;
@@ -59,6 +60,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("STORED_ARRAY_FIELDS", layout::STORED_ARRAY_FIELDS)?;
     module.add("REMOVED_ARRAY_FIELDS", layout::REMOVED_ARRAY_FIELDS)?;
     module.add("MAX_DEPTH", MAX_DEPTH)?;
+    module.add("RELEASE_GIL_BYTES", normalizer::RELEASE_GIL_BYTES)?;
     module.add(
         "MEDIA",
         kvbridge_core::media::MEDIA

@@ -1,17 +1,34 @@
 //! `kvbridge._core.Normalizer`: one worker's normalizer, its counters and its first drops.
+//!
+//! The state sits behind a mutex of its own rather than PyO3's borrow flag: a payload is
+//! normalized with the GIL released when it is large, and a reader on another thread (a
+//! metrics scrape) then waits for the state instead of failing to borrow it. The Python face
+//! needs no lock of its own, which with its `try`/`finally` cost about as much as the call
+//! itself on the small payloads of a busy engine.
 
-use kvbridge_core::{Action, DropReason, Limits, Normalizer, Output, Tier};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+
+use kvbridge_core::{Action, DropReason, Limits, Normalizer, Output, SchemaError, Tier};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyType};
 
 use crate::batch::PyOutput;
-use crate::{payload_error, tier_of};
+use crate::tier_of;
+
+/// Payloads of at least this many bytes are normalized with the GIL released. Releasing it and
+/// taking it back costs about 50 ns a call here, which the work on a 1 KiB payload (2-3 us)
+/// repays many times over; below that, on the one- or two-block batches of an engine's decode
+/// steps, the release is a large share of the call and lets another thread overlap little.
+pub(crate) const RELEASE_GIL_BYTES: usize = 1024;
 
 /// One worker's normalizer state.
-#[pyclass(module = "kvbridge._core", name = "Normalizer")]
+#[pyclass(module = "kvbridge._core", name = "Normalizer", frozen)]
 pub(crate) struct PyNormalizer {
-    inner: Normalizer,
+    state: Mutex<Normalizer>,
+    worker_id: u64,
+    block_size: u64,
     /// Reasons dropped for the first time, appended as they happen: a list Python can test
     /// for emptiness without a call.
     first_drops: Py<PyList>,
@@ -43,7 +60,9 @@ impl PyNormalizer {
         Ok(PyNormalizer {
             first_drops: PyList::empty(py).unbind(),
             events_decoder,
-            inner: Normalizer::new(
+            worker_id,
+            block_size: block_size as u64,
+            state: Mutex::new(Normalizer::new(
                 worker_id,
                 block_size,
                 retain_evicted,
@@ -53,79 +72,88 @@ impl PyNormalizer {
                     max_blocks,
                     max_contexts,
                 },
-            ),
+            )),
         })
     }
 
-    /// Normalizes one payload (bytes) with the GIL released. Raises `PayloadError`.
-    #[pyo3(signature = (payload, seq=None, reset_first=false))]
-    fn normalize(
-        &mut self,
+    /// Normalizes one payload (bytes), with the GIL released if it is large
+    /// ([`RELEASE_GIL_BYTES`]), after adding `unknown_fields` that a caller's own decoder
+    /// counted in it. Raises `kvbridge.schemas.SchemaError` and changes nothing if the payload
+    /// does not decode.
+    #[pyo3(signature = (payload, seq=None, reset_first=false, unknown_fields=0))]
+    fn process(
+        &self,
         py: Python<'_>,
         payload: &[u8],
         seq: Option<u64>,
         reset_first: bool,
+        unknown_fields: u64,
     ) -> PyResult<PyOutput> {
-        let inner = &mut self.inner;
-        let output = py
-            .detach(|| inner.normalize(payload, seq, reset_first))
-            .map_err(payload_error)?;
+        let run = |state: &mut Normalizer| {
+            let output = state.normalize(payload, seq, reset_first)?;
+            state.counters.unknown_fields += unknown_fields;
+            Ok(output)
+        };
+        let output = if payload.len() < RELEASE_GIL_BYTES {
+            self.with_state(py, run)
+        } else {
+            py.detach(|| run(&mut lock(&self.state)))
+        };
+        let output = output.map_err(|error| schema_error(py, error))?;
         self.wrap(py, output)
     }
 
     /// Forgets one rank (or all) and returns the clears that undo it downstream.
     #[pyo3(signature = (dp_rank=None))]
-    fn reset(&mut self, py: Python<'_>, dp_rank: Option<u32>) -> PyResult<PyOutput> {
-        let output = self.inner.reset(dp_rank);
+    fn reset(&self, py: Python<'_>, dp_rank: Option<u32>) -> PyResult<PyOutput> {
+        let output = self.with_state(py, |state| state.reset(dp_rank));
         self.wrap(py, output)
     }
 
     /// Clears one rank downstream after a loss, keeping its blocks' identities (see
     /// `Normalizer::reset_lost`).
-    fn reset_lost(&mut self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
-        let output = self.inner.reset_lost(dp_rank);
+    fn reset_lost(&self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
+        let output = self.with_state(py, |state| state.reset_lost(dp_rank));
         self.wrap(py, output)
     }
 
     /// A clear of one rank, then a store of every block it holds, tier by tier.
-    fn snapshot(&mut self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
-        let output = self.inner.snapshot(dp_rank);
+    fn snapshot(&self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
+        let output = self.with_state(py, |state| state.snapshot(dp_rank));
         self.wrap(py, output)
     }
 
     /// Blocks announced again after a loss, because stores named them as ancestors.
     #[getter]
-    fn reanchored_blocks(&self) -> u64 {
-        self.inner.counters.reanchored_blocks
-    }
-
-    /// Adds unknown fields a caller's own decoder counted.
-    fn add_unknown_fields(&mut self, count: u64) {
-        self.inner.counters.unknown_fields += count;
+    fn reanchored_blocks(&self, py: Python<'_>) -> u64 {
+        self.with_state(py, |state| state.counters.reanchored_blocks)
     }
 
     #[getter]
-    fn unknown_fields(&self) -> u64 {
-        self.inner.counters.unknown_fields
+    fn unknown_fields(&self, py: Python<'_>) -> u64 {
+        self.with_state(py, |state| state.counters.unknown_fields)
     }
 
     /// State given up to stay within the limits: (ranks forgotten, blocks evicted, context
     /// table compactions).
-    fn evictions(&self) -> (u64, u64, u64) {
-        let counters = &self.inner.counters;
-        (
-            counters.evicted_ranks,
-            counters.evicted_blocks,
-            counters.context_compactions,
-        )
+    fn evictions(&self, py: Python<'_>) -> (u64, u64, u64) {
+        self.with_state(py, |state| {
+            let counters = &state.counters;
+            (
+                counters.evicted_ranks,
+                counters.evicted_blocks,
+                counters.context_compactions,
+            )
+        })
     }
 
     /// Blocks forwarded: (action, tier index, count), non-zero entries only.
-    fn forwarded(&self) -> Vec<(&'static str, usize, u64)> {
+    fn forwarded(&self, py: Python<'_>) -> Vec<(&'static str, usize, u64)> {
+        let forwarded = self.with_state(py, |state| state.counters.forwarded);
         let mut out = Vec::new();
         for action in [Action::Stored, Action::Removed, Action::Cleared] {
             for tier in Tier::ALL {
-                let count = self.inner.counters.forwarded[action as usize][tier as usize];
+                let count = forwarded[action as usize][tier as usize];
                 if count > 0 {
                     out.push((action.name(), tier as usize, count));
                 }
@@ -135,18 +163,16 @@ impl PyNormalizer {
     }
 
     /// Blocks not forwarded: (action, tier name or "unknown", reason, count), non-zero only.
-    fn dropped(&self) -> Vec<(&'static str, &'static str, &'static str, u64)> {
+    fn dropped(&self, py: Python<'_>) -> Vec<(&'static str, &'static str, &'static str, u64)> {
+        let dropped = self.with_state(py, |state| state.counters.dropped);
         let mut out = Vec::new();
         for action in [Action::Stored, Action::Removed] {
-            for tier_index in 0..5 {
-                let tier = if tier_index == 4 {
-                    "unknown"
-                } else {
-                    Tier::ALL[tier_index].name()
-                };
+            for (tier_index, by_reason) in dropped[action as usize].iter().enumerate() {
+                let tier = Tier::ALL
+                    .get(tier_index)
+                    .map_or("unknown", |tier| tier.name());
                 for reason in DropReason::ALL {
-                    let count =
-                        self.inner.counters.dropped[action as usize][tier_index][reason as usize];
+                    let count = by_reason[reason as usize];
                     if count > 0 {
                         out.push((action.name(), tier, reason.name(), count));
                     }
@@ -164,7 +190,7 @@ impl PyNormalizer {
     }
 
     /// Reasons dropped for the first time since the last call: (reason, action, tier, medium).
-    fn take_first_drops<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    fn take_first_drops<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         self.publish_first_drops(py)?;
         let pending = self.first_drops.bind(py);
         let taken = PyList::new(py, pending.iter())?;
@@ -172,33 +198,55 @@ impl PyNormalizer {
         Ok(taken)
     }
 
-    fn dp_ranks(&self) -> Vec<u32> {
-        self.inner.dp_ranks()
+    fn dp_ranks(&self, py: Python<'_>) -> Vec<u32> {
+        self.with_state(py, |state| state.dp_ranks())
     }
 
-    fn resident_blocks(&self, dp_rank: u32, tier: usize) -> PyResult<usize> {
-        Ok(self.inner.resident_blocks(dp_rank, tier_of(tier)?))
+    fn resident_blocks(&self, py: Python<'_>, dp_rank: u32, tier: usize) -> PyResult<usize> {
+        let tier = tier_of(tier)?;
+        Ok(self.with_state(py, |state| state.resident_blocks(dp_rank, tier)))
     }
 
     /// (live, retired) engine hashes tracked over every rank.
-    fn tracked_blocks(&self) -> (usize, usize) {
-        self.inner.tracked_blocks()
+    fn tracked_blocks(&self, py: Python<'_>) -> (usize, usize) {
+        self.with_state(py, |state| state.tracked_blocks())
     }
 
     /// Bytes of heap the state holds.
-    fn heap_bytes(&self) -> usize {
-        self.inner.heap_bytes()
+    fn heap_bytes(&self, py: Python<'_>) -> usize {
+        self.with_state(py, |state| state.heap_bytes())
     }
 }
 
 impl PyNormalizer {
+    /// Runs `work` on the state: at once if no other thread holds it, else once it is free,
+    /// waiting with the GIL released, since the holder may have released the GIL to work.
+    ///
+    /// No deadlock: a thread holds the state either with the GIL held throughout, or with the
+    /// GIL released from before it takes the state until after it lets go of it, so a holder
+    /// never waits for the GIL. For that, `work` makes no Python object and runs no Python
+    /// code (either could run the garbage collector, and with it any code, which may release
+    /// the GIL): every caller copies its answer out as plain Rust values first.
+    fn with_state<T: Send>(
+        &self,
+        py: Python<'_>,
+        work: impl FnOnce(&mut Normalizer) -> T + Send,
+    ) -> T {
+        match self.state.try_lock() {
+            Ok(mut state) => work(&mut state),
+            Err(TryLockError::Poisoned(poisoned)) => work(&mut poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => py.detach(|| work(&mut lock(&self.state))),
+        }
+    }
+
     /// Moves the core's first drops to the Python list.
-    fn publish_first_drops(&mut self, py: Python<'_>) -> PyResult<()> {
-        if self.inner.first_drops.is_empty() {
+    fn publish_first_drops(&self, py: Python<'_>) -> PyResult<()> {
+        let drops = self.with_state(py, |state| std::mem::take(&mut state.first_drops));
+        if drops.is_empty() {
             return Ok(());
         }
         let list = self.first_drops.bind(py);
-        for drop in self.inner.first_drops.drain(..) {
+        for drop in drops {
             list.append((
                 drop.reason.name(),
                 drop.action.name(),
@@ -210,10 +258,38 @@ impl PyNormalizer {
     }
 
     /// The Python face of an output, once the drops it recorded first are published.
-    fn wrap(&mut self, py: Python<'_>, output: Output) -> PyResult<PyOutput> {
+    fn wrap(&self, py: Python<'_>, output: Output) -> PyResult<PyOutput> {
         self.publish_first_drops(py)?;
         let decoder = self.events_decoder.clone_ref(py);
-        let (worker_id, block_size) = (self.inner.worker_id, self.inner.block_size as u64);
-        Ok(PyOutput::new(output, worker_id, block_size, decoder))
+        Ok(PyOutput::new(
+            output,
+            self.worker_id,
+            self.block_size,
+            decoder,
+        ))
+    }
+}
+
+/// The state, even if a thread panicked while holding it. That call raised PyO3's
+/// `PanicException` (no panic is known; the fuzz targets look for one); a poisoned lock would
+/// turn it into the failure of every later call as well.
+fn lock(state: &Mutex<Normalizer>) -> MutexGuard<'_, Normalizer> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A payload the core cannot decode, as the Python face's `SchemaError`.
+fn schema_error(py: Python<'_>, error: SchemaError) -> PyErr {
+    static SCHEMA_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let made = SCHEMA_ERROR
+        .import(py, "kvbridge.schemas.errors", "SchemaError")
+        .and_then(|class| {
+            let keywords = PyDict::new(py);
+            keywords.set_item("event_index", error.event_index)?;
+            keywords.set_item("field", error.field)?;
+            class.call((error.message,), Some(&keywords))
+        });
+    match made {
+        Ok(value) => PyErr::from_value(value),
+        Err(failure) => failure,
     }
 }
