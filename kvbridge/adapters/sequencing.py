@@ -31,15 +31,15 @@ message it reads comes here with its source's
   :meth:`~kvbridge.adapters.stream_state.StreamState.release`, which the
   subscriber tries at every poll), and the stream starts over at once: the batches the
   suspension skipped (from the loss, or from 0 for a new process) that the replay still holds,
-  as the run that ends at the last it holds (:meth:`Sequencer.start_over_released`), so that
-  an engine gone quiet is indexed again without waiting for its next batch. If that replay
-  cannot be had, the stream's next message starts it over, with the run that reaches it
-  (:meth:`~kvbridge.adapters.replay_recovery.ReplayRecovery.run_before`). Either way the others
-  (up to ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a loss was what found no
-  token (the same process goes on, and the worker's block identities are kept downstream),
-  else a ``"restart"``. (A stream released as a loss whose next message shows a new process
-  starts over without a second clear: the identities it keeps are what the engine hashes
-  stood for, which a new process's hashes do not reuse for other blocks);
+  as the run that ends at the last it holds, so that an engine gone quiet is indexed again
+  without waiting for its next batch. If that replay cannot be had, the stream's next message
+  starts it over, with the run that reaches it (:mod:`~kvbridge.adapters.start_over`). Either
+  way the others (up to ``max_gap``) count as ``lost``. The clear is a ``"lost"`` reset if a
+  loss was what found no token (the same process goes on, and the worker's block identities
+  are kept downstream), else a ``"restart"``. (A stream released as a loss whose next
+  message shows a new process starts over without a second clear: the identities it keeps
+  are what the engine hashes stood for, which a new process's hashes do not reuse for other
+  blocks);
 - **bad frames** (wrong frame count, a frame over ``max_frame_bytes``, a sequence frame that is
   not 8 bytes or is the replay protocol's end marker): counted by
   :class:`~kvbridge.adapters.stream_stats.BadFrame` and skipped.
@@ -54,9 +54,10 @@ import structlog
 
 from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_answer import Replayed, Replaying, run_before
+from kvbridge.adapters.replay_answer import Replayed, Replaying
 from kvbridge.adapters.replay_recovery import ReplayRecovery
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
+from kvbridge.adapters.start_over import StartOver
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 
@@ -77,6 +78,11 @@ class Sequencer:
     max_frame_bytes: int
     info: LogLimiter = field(default_factory=lambda: LogLimiter(log.info), init=False)
     """Gaps, which are expected under load, at info level."""
+    start_over: StartOver = field(init=False)
+    """How a suspended stream starts over once its clear is out."""
+
+    def __post_init__(self) -> None:
+        self.start_over = StartOver(self.stats, self.warn, self.recovery)
 
     @property
     def max_gap(self) -> int:
@@ -125,41 +131,9 @@ class Sequencer:
     def _start_over(
         self, stream: StreamState, frames: list[bytes], seq: int, out: list[Message | StreamReset]
     ) -> Replaying[list[Message | StreamReset]]:
-        """Start the stream over at ``seq``, its clear sent: first the batches a suspension
-        skipped (from :attr:`~kvbridge.adapters.stream_state.StreamState.resume_from`) that the
-        replay still holds, as the run that reaches ``seq``; the others count as lost. If the
-        connection dropped meanwhile, the publisher is checked first: a new process's batches
-        are replayed from 0, the same one's taken from the check's answer (none if it came
-        to nothing)."""
-        resume, stream.resume_from = stream.resume_from, None
-        stream.starting_over = False
-        stream.jumped_to = None
-        reconnected, stream.reconnected = stream.reconnected, False
-        stream.replayed_through = -1
-        same: bool | None = True
-        answer: Replayed | None = None  # the publisher check's, if one was asked
-        if reconnected and resume and stream.last is not None:
-            same, answer = yield from self.recovery.check_publisher(stream, stream.last)
-        if same is False:  # a new process: its batches from 0, its replay endpoint afresh
-            self._replaced_after_clear(stream, seq)
-            resume, answer = 0, None
-            stream.forget_process()
-        # Past max_gap, what was skipped is a jump's, not a loss; after an unconfirmed clear
-        # that is measured from the batches that count (StreamState.counts_lost_from).
-        if (
-            resume is not None
-            and resume < seq
-            and seq - stream.counts_lost_from(resume) <= self.max_gap
-        ):
-            if answer is None:
-                run = yield from self.recovery.run_before(stream, resume, seq)
-            else:  # the check's answer, from before the skipped batches (empty if unanswered)
-                run = run_before(resume, seq, answer)
-            lost = seq - resume - len(run)
-            if lost:
-                stream.lose(self.stats, self.warn, resume, lost)
-            self.stats.replayed += len(run)
-            out.extend(run)
+        """Start the stream over at ``seq``, its clear sent (:meth:`StartOver.before
+        <kvbridge.adapters.start_over.StartOver.before>`), and deliver ``seq``."""
+        out.extend((yield from self.start_over.before(stream, seq)))
         return self._deliver(stream, frames, seq, out)
 
     def _deliver(
@@ -186,80 +160,6 @@ class Sequencer:
         stream.live_last = stream.replayed_through = -1
         return reset
 
-    def _replaced_after_clear(self, stream: StreamState, seq: int | None) -> None:
-        """Log a new process found as its stream starts over after a loss's clear. That clear
-        went out, counted as a resync; each clear is counted once, so no restart is."""
-        endpoint = stream.source.endpoint
-        self.warn(
-            "publisher restarted",
-            (endpoint,),
-            stream=endpoint,
-            seq=seq,
-            last=stream.last,
-            counted="resync",
-        )
-
-    def start_over_released(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
-        """The start-over of a stream whose suspension was just released
-        (:meth:`~kvbridge.adapters.stream_state.StreamState.release`, its clear sent), without
-        waiting for its next message, which an engine gone quiet may not send for a long time:
-        the run of the batches the suspension skipped that the replay holds, up to the last
-        batch the engine holds; those before the run count as lost, as :meth:`_start_over`
-        counts them. Meanwhile the worker's blocks from that run would be unknown downstream.
-        A drop since the suspension began is checked first, as :meth:`_start_over` checks it:
-        a new process is replayed from 0. If the SUB is not connected again yet, the drop's
-        own catch-up still follows its handshake (:meth:`catch_up`), for what the engine sent
-        meanwhile; one that comes before this start-over (and finds the stream still starting
-        over) runs it instead.
-
-        Nothing is done (the next message starts the stream over, as before) for a jump's
-        suspension (its skipped batches mean nothing) or a skip already past ``max_gap``, a
-        replay endpoint in its back-off (it did not answer lately), a publisher check that
-        goes unanswered, a drop or a message during the wait, an answer that does not say
-        where the engine's batches end, or one with nothing to deliver. Live copies of the
-        run's batches that come after it are duplicates, down to the last live message read
-        (:attr:`~kvbridge.adapters.stream_state.StreamState.skipped_last`)."""
-        resume, skipped = stream.resume_from, stream.skipped_last
-        if resume is None or time.monotonic() < stream.replay_resumes_at:
-            return []
-        if skipped is not None and skipped - stream.counts_lost_from(resume) > self.max_gap:
-            return []  # a jump's distance: left to the next message, as _start_over leaves it
-        drops = stream.drops
-        checked: Replayed | None = None
-        if stream.reconnected and resume and stream.last is not None:
-            same, checked = yield from self.recovery.check_publisher(stream, stream.last)
-            if same is None or stream.drops != drops or not stream.starting_over:
-                return []
-            if same is False:  # a new process: its batches from 0
-                self._replaced_after_clear(stream, None)
-                stream.forget_process()
-                stream.suspended_for, stream.resume_from = "restart", 0
-                resume, checked = 0, None
-        if checked is None:
-            run, end = yield from self.recovery.run_to_end(stream, resume)
-        else:  # the check's answer, from before the skipped batches
-            end = resume if checked.end is None else checked.end
-            run = run_before(resume, end, checked)
-        if not run or stream.drops != drops or not stream.starting_over:
-            return []
-        if end - stream.counts_lost_from(resume) > self.max_gap:
-            return []
-        stream.starting_over = False
-        stream.reconnected = stream.reconnected and not stream.connected  # else its catch-up
-        stream.resume_from = stream.jumped_to = None
-        lost = end - resume - len(run)
-        if lost:
-            stream.lose(self.stats, self.warn, resume, lost)
-        for message in run:
-            stream.delivered(message.seq, message.payload)
-        if skipped is None:  # no live message read since the suspension began
-            read = stream.live_last if resume else -1
-        else:
-            read = min(skipped, run[-1].seq)
-        stream.live_last, stream.replayed_through = read, run[-1].seq
-        self.stats.replayed += len(run)
-        return [*run]
-
     def catch_up(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
         """What a drop cost ``stream``, once its SUB is connected again, without waiting for
         its next message: the batches the old socket held or missed, or a restart.
@@ -276,12 +176,12 @@ class Sequencer:
         the last catch-up may have sent its first batches while the connection was down again.
         Nothing to do if the stream's next message got there first, or if there is no replay
         endpoint to ask; a stream released but not yet started over is started over
-        (:meth:`start_over_released`)."""
+        (:meth:`StartOver.released <kvbridge.adapters.start_over.StartOver.released>`)."""
         last = stream.last
         if not stream.reconnected or stream.suspended:
             return []
         if stream.starting_over:
-            return (yield from self.start_over_released(stream))
+            return (yield from self.start_over.released(stream))
         if not stream.source.replay_endpoint:
             return []
         stream.reconnected = False
@@ -340,7 +240,7 @@ class Sequencer:
                 return out
             if stream.last is not None and seq <= stream.last:  # a new process since
                 if stream.starting_over and not stream.suspended_by_restart:
-                    self._replaced_after_clear(stream, seq)
+                    self.start_over.replaced_after_clear(stream, seq)
                 stream.suspended_for, stream.resume_from = "restart", 0
                 stream.suspension_checked = True
                 stream.forget_process()

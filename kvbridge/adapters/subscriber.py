@@ -289,7 +289,7 @@ class Subscriber(ClosedOnExit):
             if stream.suspended and (reset := stream.release(stats, warn)) is not None:
                 out.append(reset)
                 if not replays.waiting(stream):
-                    replays.run(stream, self._sequencer.start_over_released(stream), out)
+                    replays.run(stream, self._sequencer.start_over.released(stream), out)
         for stream in self._starting:
             replays.run(stream, self._recovery.recover(stream, 0, None), out)
         self._starting = []
