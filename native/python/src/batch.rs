@@ -63,8 +63,8 @@ impl PyOutput {
         }
         let events = self.decoder.call1(py, (self.tiered_events(py),))?;
         let events = events.extract::<Py<PyList>>(py).map_err(PyErr::from)?;
-        // Another thread may have built them meanwhile (the writer runs without the GIL):
-        // the first to finish is kept, so that every reader gets the same list.
+        // Another thread may have built them meanwhile (a large output's writer runs without
+        // the GIL): the first to finish is kept, so that every reader gets the same list.
         Ok(self.events.get_or_init(|| events).bind(py).clone())
     }
 
@@ -141,7 +141,7 @@ impl PyOutput {
 
 /// The canonical payloads of consecutive outputs of one normalizer, each with its engine time,
 /// merged into as few batches as fit in about `max_bytes` each (see
-/// `kvbridge_core::canonical_payloads`), written with the GIL released.
+/// `kvbridge_core::canonical_payloads`), written with the GIL released if they are large.
 #[pyfunction]
 pub(crate) fn canonical_payloads<'py>(
     py: Python<'py>,
@@ -171,9 +171,11 @@ pub(crate) fn canonical_payloads<'py>(
     PyList::new(py, payloads.iter().map(|payload| PyBytes::new(py, payload)))
 }
 
-/// About how many bytes the writers write for `output`: its token bytes and its hashes.
+/// About how many bytes the writers write for `output`: its token bytes, its hashes and each
+/// event's own fields (about 48 bytes of keys, tier and ids).
 fn write_size(output: &Output) -> usize {
-    output.token_msgpack.len() + 9 * (2 * output.blocks.len() + output.hashes.len())
+    let hashes = 2 * output.blocks.len() + output.hashes.len();
+    output.token_msgpack.len() + 9 * hashes + 48 * output.events.len()
 }
 
 /// Whether writing `output` is worth releasing the GIL for: as for a payload

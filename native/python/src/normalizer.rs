@@ -1,8 +1,8 @@
 //! `kvbridge._core.Normalizer`: one worker's normalizer, its counters and its first drops.
 //!
 //! The state sits behind a mutex of its own rather than PyO3's borrow flag: a payload is
-//! normalized with the GIL released when it is large, and a reader on another thread (a
-//! metrics scrape) then waits for the state instead of failing to borrow it. The Python face
+//! normalized with the GIL released when it is large or clears a rank, and a reader on
+//! another thread (a metrics scrape) then waits for the state instead of failing to borrow it. The Python face
 //! needs no lock of its own, which with its `try`/`finally` cost about as much as the call
 //! itself on the small payloads of a busy engine.
 
@@ -22,6 +22,28 @@ use crate::tier_of;
 /// repays many times over; below that, on the one- or two-block batches of an engine's decode
 /// steps, the release is a large share of the call and lets another thread overlap little.
 pub(crate) const RELEASE_GIL_BYTES: usize = 1024;
+
+/// The tag of the event whose work grows with the state, not with the payload: a clear of
+/// every block of the rank.
+const CLEAR_TAG: &[u8] = b"AllBlocksCleared";
+
+/// Whether to normalize `payload` with the GIL released: when it is large, or when its work may
+/// be long whatever its size, a clear of the rank first (`reset_first`) or an
+/// `AllBlocksCleared` in it (its tag anywhere in the bytes, in whatever string form: a payload
+/// that merely looks like one is normalized without the GIL, which costs 50 ns).
+fn releases_gil(payload: &[u8], reset_first: bool) -> bool {
+    if reset_first || payload.len() >= RELEASE_GIL_BYTES {
+        return true;
+    }
+    let mut rest = payload;
+    while let Some(at) = rest.iter().position(|&byte| byte == CLEAR_TAG[0]) {
+        if rest[at..].starts_with(CLEAR_TAG) {
+            return true;
+        }
+        rest = &rest[at + 1..];
+    }
+    false
+}
 
 /// One worker's normalizer state.
 #[pyclass(module = "kvbridge._core", name = "Normalizer", frozen)]
@@ -76,10 +98,10 @@ impl PyNormalizer {
         })
     }
 
-    /// Normalizes one payload (bytes), with the GIL released if it is large
-    /// ([`RELEASE_GIL_BYTES`]), after adding `unknown_fields` that a caller's own decoder
-    /// counted in it. Raises `kvbridge.schemas.SchemaError` and changes nothing if the payload
-    /// does not decode.
+    /// Normalizes one payload (bytes) and adds the `unknown_fields` that a caller's own
+    /// decoder counted in it, with the GIL released if the work may be long
+    /// ([`releases_gil`]). Raises `kvbridge.schemas.SchemaError` and changes nothing if the
+    /// payload does not decode.
     #[pyo3(signature = (payload, seq=None, reset_first=false, unknown_fields=0))]
     fn process(
         &self,
@@ -94,10 +116,10 @@ impl PyNormalizer {
             state.counters.unknown_fields += unknown_fields;
             Ok(output)
         };
-        let output = if payload.len() < RELEASE_GIL_BYTES {
-            self.with_state(py, run)
+        let output = if releases_gil(payload, reset_first) {
+            self.with_state_released(py, run)
         } else {
-            py.detach(|| run(&mut lock(&self.state)))
+            self.with_state(py, run)
         };
         let output = output.map_err(|error| schema_error(py, error))?;
         self.wrap(py, output)
@@ -106,20 +128,20 @@ impl PyNormalizer {
     /// Forgets one rank (or all) and returns the clears that undo it downstream.
     #[pyo3(signature = (dp_rank=None))]
     fn reset(&self, py: Python<'_>, dp_rank: Option<u32>) -> PyResult<PyOutput> {
-        let output = self.with_state(py, |state| state.reset(dp_rank));
+        let output = self.with_state_released(py, |state| state.reset(dp_rank));
         self.wrap(py, output)
     }
 
     /// Clears one rank downstream after a loss, keeping its blocks' identities (see
     /// `Normalizer::reset_lost`).
     fn reset_lost(&self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
-        let output = self.with_state(py, |state| state.reset_lost(dp_rank));
+        let output = self.with_state_released(py, |state| state.reset_lost(dp_rank));
         self.wrap(py, output)
     }
 
     /// A clear of one rank, then a store of every block it holds, tier by tier.
     fn snapshot(&self, py: Python<'_>, dp_rank: u32) -> PyResult<PyOutput> {
-        let output = self.with_state(py, |state| state.snapshot(dp_rank));
+        let output = self.with_state_released(py, |state| state.snapshot(dp_rank));
         self.wrap(py, output)
     }
 
@@ -194,7 +216,8 @@ impl PyNormalizer {
         self.publish_first_drops(py)?;
         let pending = self.first_drops.bind(py);
         let taken = PyList::new(py, pending.iter())?;
-        pending.del_slice(0, pending.len())?;
+        // What another thread appended meanwhile (making the list can switch threads) stays.
+        pending.del_slice(0, taken.len())?;
         Ok(taken)
     }
 
@@ -237,6 +260,16 @@ impl PyNormalizer {
             Err(TryLockError::Poisoned(poisoned)) => work(&mut poisoned.into_inner()),
             Err(TryLockError::WouldBlock) => py.detach(|| work(&mut lock(&self.state))),
         }
+    }
+
+    /// Runs `work` on the state with the GIL released, for work whose time grows with the
+    /// state rather than with its input (a rank's clear, a snapshot), or with a large input.
+    fn with_state_released<T: Send>(
+        &self,
+        py: Python<'_>,
+        work: impl FnOnce(&mut Normalizer) -> T + Send,
+    ) -> T {
+        py.detach(|| work(&mut lock(&self.state)))
     }
 
     /// Moves the core's first drops to the Python list.
