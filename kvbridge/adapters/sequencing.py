@@ -54,7 +54,7 @@ import structlog
 
 from kvbridge.adapters.framing import framing_error
 from kvbridge.adapters.logs import LogLimiter
-from kvbridge.adapters.replay_answer import Replayed, Replaying
+from kvbridge.adapters.replay_answer import Fetch, Replayed, Replaying
 from kvbridge.adapters.replay_recovery import ReplayRecovery
 from kvbridge.adapters.source import Message, ResetReason, StreamReset
 from kvbridge.adapters.start_over import StartOver
@@ -174,6 +174,8 @@ class Sequencer:
         again. A stream that has delivered nothing since it began or was cleared is replayed
         from 0, as its first message past 0 would have it replayed: a new process found by
         the last catch-up may have sent its first batches while the connection was down again.
+        That replay is asked for within a back-off too: the drop ended the back-off before it,
+        so one that runs now began when a replay of the old connection's timed out since.
         Nothing to do if the stream's next message got there first, or if there is no replay
         endpoint to ask; a stream released but not yet started over is started over
         (:meth:`StartOver.released <kvbridge.adapters.start_over.StartOver.released>`)."""
@@ -186,7 +188,9 @@ class Sequencer:
             return []
         stream.reconnected = False
         if last is None:
-            return (yield from self.recovery.recover(stream, 0, None))
+            # Within a back-off too: the timeout that began it says nothing of this process.
+            answer = yield Fetch(stream, 0, in_back_off=True)
+            return (yield from self.recovery.recover(stream, 0, None, answer))
         same, answer = yield from self.recovery.check_publisher(stream, last)
         if same:
             reached = max(answer.end or 0, answer[-1].seq + 1 if answer else 0)
