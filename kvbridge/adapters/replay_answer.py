@@ -54,7 +54,9 @@ class Fetch:
     stream: StreamState
     start: int
     in_back_off: bool = False
-    """Asked for within the source's back-off too (the publisher check)."""
+    """Asked for within the source's back-off too: the publisher check, and the replays of a
+    drop's catch-up (the drop ended the back-off before it; one begun since is another
+    connection's)."""
 
 
 class Replayed(list[Message]):

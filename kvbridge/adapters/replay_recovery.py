@@ -163,15 +163,17 @@ class ReplayRecovery:
             return []
         return run_before(start, end, (yield Fetch(stream, start)))
 
-    def run_to_end(self, stream: StreamState, start: int) -> Replaying[tuple[list[Message], int]]:
+    def run_to_end(
+        self, stream: StreamState, start: int, *, in_back_off: bool = False
+    ) -> Replaying[tuple[list[Message], int]]:
         """Of the batches from ``start``, those the replay holds as one run that ends at the
         last batch it holds, and the batch after that (the answer's :attr:`~Replayed.end`):
         :meth:`run_before` for a stream that has no next message to reach. ``([], start)``
         if the answer does not say where the engine's batches end (no replay endpoint, a
-        back-off, a timeout, a cut, an empty buffer)."""
+        back-off unless asked ``in_back_off``, a timeout, a cut, an empty buffer)."""
         if not stream.source.replay_endpoint:
             return [], start
-        answer = yield Fetch(stream, start)
+        answer = yield Fetch(stream, start, in_back_off=in_back_off)
         if answer.end is None:
             return [], start
         return run_before(start, answer.end, answer), answer.end

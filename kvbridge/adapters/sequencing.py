@@ -174,8 +174,9 @@ class Sequencer:
         again. A stream that has delivered nothing since it began or was cleared is replayed
         from 0, as its first message past 0 would have it replayed: a new process found by
         the last catch-up may have sent its first batches while the connection was down again.
-        That replay is asked for within a back-off too: the drop ended the back-off before it,
-        so one that runs now began when a replay of the old connection's timed out since.
+        That replay, and a start-over's, is asked for within a back-off too: the drop ended
+        the back-off before it, so one that runs now began when a replay of the old
+        connection's timed out since.
         Nothing to do if the stream's next message got there first, or if there is no replay
         endpoint to ask; a stream released but not yet started over is started over
         (:meth:`StartOver.released <kvbridge.adapters.start_over.StartOver.released>`)."""
@@ -183,7 +184,7 @@ class Sequencer:
         if not stream.reconnected or stream.suspended:
             return []
         if stream.starting_over:
-            return (yield from self.start_over.released(stream))
+            return (yield from self.start_over.released(stream, in_back_off=True))
         if not stream.source.replay_endpoint:
             return []
         stream.reconnected = False

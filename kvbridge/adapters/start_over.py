@@ -66,7 +66,9 @@ class StartOver:
         self._count(stream, resume, seq, run)
         return run
 
-    def released(self, stream: StreamState) -> Replaying[list[Message | StreamReset]]:
+    def released(
+        self, stream: StreamState, *, in_back_off: bool = False
+    ) -> Replaying[list[Message | StreamReset]]:
         """The start-over of a stream whose suspension was just released, its clear sent,
         without waiting for its next message, which an engine gone quiet may not send for a
         long time: the run of the skipped batches that the replay holds, up to the last batch
@@ -79,13 +81,21 @@ class StartOver:
 
         Nothing is done (the next message starts the stream over, :meth:`before`) for a
         jump's suspension (its skipped batches mean nothing) or a skip already past
-        ``max_gap``, a replay endpoint in its back-off (it did not answer lately), a publisher
+        ``max_gap``, a replay endpoint in its back-off (it did not answer lately; but see
+        ``in_back_off``), a publisher
         check that goes unanswered, a drop or a message during the wait, an answer that does
         not say where the engine's batches end, or one with nothing to deliver. Live copies of
         the run's batches that come after it are duplicates, down to the last live message
-        read (:attr:`~kvbridge.adapters.stream_state.StreamState.skipped_last`)."""
+        read (:attr:`~kvbridge.adapters.stream_state.StreamState.skipped_last`).
+
+        ``in_back_off``: asked within the back-off too, for a drop's catch-up. The drop ended
+        the back-off before it, so one that runs then began when a replay asked of the old
+        connection timed out (this start-over's own, say), which says nothing of the process
+        there now; and no later catch-up would come to start the stream over."""
         resume, skipped = stream.resume_from, stream.skipped_last
-        if resume is None or time.monotonic() < stream.replay_resumes_at:
+        if resume is None:
+            return []
+        if not in_back_off and time.monotonic() < stream.replay_resumes_at:
             return []
         if skipped is not None and self._too_far(stream, resume, skipped):
             return []  # a jump's distance: left to the next message, as before() leaves it
@@ -101,7 +111,7 @@ class StartOver:
                 stream.suspended_for, stream.resume_from = "restart", 0
                 resume, checked = 0, None
         if checked is None:
-            run, end = yield from self.recovery.run_to_end(stream, resume)
+            run, end = yield from self.recovery.run_to_end(stream, resume, in_back_off=in_back_off)
         else:  # the check's answer, from before the skipped batches
             end = resume if checked.end is None else checked.end
             run = run_before(resume, end, checked)
