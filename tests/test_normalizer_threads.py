@@ -112,8 +112,8 @@ def switches_only_at_blocking_calls() -> Iterator[None]:
 
 
 def ran_during(call: Callable[[], object]) -> int:
-    """How many times a thread that sleeps 0.1 ms in a loop woke while ``call()`` ran: none
-    unless ``call`` releases the GIL for longer than that."""
+    """How many times a thread that sleeps 0.1 ms in a loop ran while ``call()`` ran: never
+    unless ``call`` releases the GIL (and the OS runs the thread meanwhile)."""
     busy, stop = threading.Event(), threading.Event()
     woken = [0]
 
@@ -122,14 +122,16 @@ def ran_during(call: Callable[[], object]) -> int:
             time.sleep(0.0001)
             woken[0] += busy.is_set()
 
-    spinner = threading.Thread(target=spin)
+    spinner = threading.Thread(target=spin, daemon=True)
     with switches_only_at_blocking_calls():
         spinner.start()
-        busy.set()
-        call()
-        busy.clear()
-        stop.set()
-        spinner.join()
+        try:
+            busy.set()
+            call()
+            busy.clear()
+        finally:
+            stop.set()
+            spinner.join()
     return woken[0]
 
 
@@ -164,11 +166,11 @@ def test_a_small_payload_that_clears_a_large_state_releases_the_gil(
 
 
 def test_the_gil_is_released_for_a_large_payload_and_held_for_a_small_one() -> None:
-    tokens = list(range(40_000))
+    tokens = list(range(160_000))  # 40,000 blocks: some 10 ms of work
     large = encoded([stored(block_hashes(tokens, 4), tokens, block_size=4)])
     small = encoded([stored(block_hashes([1, 2, 3, 4], 4), [1, 2, 3, 4], block_size=4)])
     assert len(small) < _core.RELEASE_GIL_BYTES <= len(large)
     normalizer = Normalizer(1, 4)
     assert ran_during(lambda: normalizer.process(large)) > 0
     assert ran_during(lambda: normalizer.process(small)) == 0
-    assert normalizer.tracked_blocks() == (10_001, 0)
+    assert normalizer.tracked_blocks() == (40_001, 0)

@@ -1099,10 +1099,11 @@ def test_a_catch_up_from_0_is_asked_within_a_back_off_begun_before_its_drop(
     still time out after it and begin one. The catch-up of a stream that has delivered nothing
     since a restart's clear then asks for its replay from 0 all the same: here the second
     process is found by the catch-up's check, and the replay from 0 that follows its clear is
-    never answered; the connection drops while that replay waits, and a third process sends a
-    batch the stream misses and goes quiet. Once the replay has timed out, the third process's
-    batch is replayed at once, not left unindexed until it sends again. The replay endpoint
-    is the test's own ROUTER, which answers the first and third requests only."""
+    never answered; the connection drops while that replay waits, and a third process, which
+    holds a batch the stream never heard, stays quiet. Once the replay has timed out, the third
+    process's batch is replayed at once, not left unindexed until it sends again. The engines
+    are bare PUBs; their replay endpoint is the test's own ROUTER, which answers the first and
+    third requests only."""
     base = free_port_range(2)
     source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
     router = ctx.socket(zmq.ROUTER)
@@ -1147,6 +1148,7 @@ def test_a_catch_up_from_0_is_asked_within_a_back_off_begun_before_its_drop(
             assert engines[-1].wait_for_subscribers(timeout=TIMEOUT)
             if drops == 1:  # checked: a new process; its replay from 0 (request 2) waits
                 wait_until(lambda: requests == 2, step)
+        assert stats.replay_timeouts == 0  # the drop came first
         wait_until(lambda: stats.replayed == 1, step, lambda: (shape(items), stats), timeout=3.0)
         engines[-1].close()
         final = deepcopy(stats)
