@@ -60,7 +60,12 @@ one process in four runs). A router blind to the cache keeps a third of them (on
 three)."""
 AFFINITY_SLACK = 0.1
 """Two processes keep sessions as one does: their affinity is at most this below one
-process's (in the eleven runs, never more than 0.011 below)."""
+process's, or below ``AFFINITY_TWO_FLOOR`` when one process's was higher (in the eleven runs,
+never more than 0.011 below; in a later CI run 87.8% through two where one process's run
+happened to keep every session, 100%)."""
+AFFINITY_TWO_FLOOR = 0.9
+"""What two processes are held to at the most: one process's affinity above it is luck of the
+draw (58.9-100% over the runs above), not a level two processes must match."""
 LOAD_BOUND = 1.8
 """New sessions per replica stay under this times the mean (18 of 30 on 3 replicas); measured
 10/10/10 or 9/10/11 through one process, and 6/11/13 to 9/10/11 through two."""
@@ -159,7 +164,7 @@ def test_two_router_processes_keep_sessions_and_load_as_one(runs: tuple[Run, Run
     assert all(s["fallbacks"] == {} for r in runs for s in r.stats)
     # With two processes, each took half of every session's turns.
     assert [s["outcomes"]["dynamo"] for s in two.stats] == [SESSIONS * TURNS // 2] * 2
-    assert two.affinity >= one.affinity - AFFINITY_SLACK
+    assert two.affinity >= min(one.affinity, AFFINITY_TWO_FLOOR) - AFFINITY_SLACK
     for result in runs:
         assert result.affinity >= AFFINITY_BOUND
         assert len(result.new_sessions) == 3
