@@ -14,11 +14,10 @@ from support.polling import TIMEOUT, poll_until, receive, shape, wait_until
 from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import overlaps
 from support.relayed import BS, deliver, relayed, restarted_in_place
+from support.scripted_replays import ScriptedReplays
 
 from kvbridge.adapters.ports import free_port_range
-from kvbridge.adapters.publisher import Publisher
-from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
-from kvbridge.adapters.source import Message, Source, StreamReset
+from kvbridge.adapters.source import Message, Source
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 from kvbridge.adapters.subscriber import Subscriber
 from kvbridge.testing.events import TS0, encoded, stored
@@ -199,61 +198,25 @@ def test_a_drop_during_a_released_streams_replay_starts_it_over_within_the_back_
     replay: the timeout said nothing of it, and no later catch-up would come. The engines are
     bare PUBs; their replay endpoint is the test's own ROUTER, which answers every request but
     the fourth, the release's."""
-    base = free_port_range(2)
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"tcp://127.0.0.1:{base + 1}")
     # batch 0 of the process there, by request: two checks, a replay from 0, the release's
     answers = {1: b"second 0", 2: b"second 0", 3: b"third 0", 5: b"fourth 0"}
-    requests = 0
-
-    def serve() -> None:
-        nonlocal requests
-        while router.poll(0):
-            request = parse_request(router.recv_multipart())
-            assert request is not None
-            identity, start = request
-            requests += 1
-            if requests in answers:
-                assert start == 0
-                frames = answer_frames(identity, b"", 0, answers[requests], topic_frame=True)
-                router.send_multipart(frames)
-                router.send_multipart(end_frames(identity, topic_frame=True))
-
-    def engine() -> Publisher:  # its replays are the test's ROUTER's
-        return Publisher(f"tcp://127.0.0.1:{base}", bind=True, context=ctx)
-
-    engines = [engine()]
+    replays = ScriptedReplays(ctx, free_port_range(2), answers)
+    source = replays.source
     with Subscriber(
         [source], context=ctx, clear_burst=1, clear_interval=2.0, replay_timeout=1.0
     ) as subscriber:
         stats = subscriber.stats
-        items: list[Message | StreamReset] = []
-
-        def step() -> None:
-            items.extend(subscriber.poll(20))
-            serve()
-
-        assert engines[0].wait_for_subscribers(timeout=TIMEOUT)
-        engines[0].publish(b"first 0")
-        wait_until(lambda: stats.messages == 1, step)
-        for drops in (1, 2, 3):
-            engines[-1].close()
-            listener_gone(base)
-            wait_until(lambda n=drops: stats.disconnects == n, step)
-            engines.append(bound_again(engine))
-            assert engines[-1].wait_for_subscribers(timeout=TIMEOUT)
-            if drops == 1:  # a restart, its clear the token, its batch replayed from 0
-                wait_until(lambda: stats.replayed == 1, step)
-            elif drops == 2:  # no token left: suspended until the release asks (request 4)
-                wait_until(lambda: subscriber.suspended(source), step)
-                wait_until(lambda: requests == 4, step, timeout=2.0 + TIMEOUT)
+        items, step = replays.first_batch(subscriber)
+        replays.replace(stats, step)  # a restart, its clear the token, its batch replayed from 0
+        wait_until(lambda: stats.replayed == 1, step)
+        replays.replace(stats, step)  # no token left: suspended until the release asks
+        wait_until(lambda: subscriber.suspended(source), step)
+        wait_until(lambda: replays.requests == 4, step, timeout=2.0 + TIMEOUT)
+        replays.replace(stats, step)
         assert stats.replay_timeouts == 0  # the drop came first
         wait_until(lambda: stats.replayed == 2, step, lambda: (shape(items), stats), timeout=3.0)
-        engines[-1].close()
         final = deepcopy(stats)
-    router.close()
+    replays.close()
 
     assert [item.payload for item in items if isinstance(item, Message)] == [
         b"first 0",

@@ -54,13 +54,14 @@ from support.relayed import (
     spy,
     suspend_after_two_losses,
 )
+from support.scripted_replays import ScriptedReplays
 
 from kvbridge import TieredIndex
 from kvbridge.adapters.pipeline import IndexSink, StreamPipeline
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.publisher import Publisher
 from kvbridge.adapters.relay import Relay
-from kvbridge.adapters.replay_protocol import answer_frames, end_frames, parse_request
+from kvbridge.adapters.replay_protocol import answer_frames, parse_request
 from kvbridge.adapters.source import Message, Source, StreamReset
 from kvbridge.adapters.stream_state import StreamState
 from kvbridge.adapters.stream_stats import BadFrame, PipelineStats, SubscriberStats
@@ -1104,55 +1105,17 @@ def test_a_catch_up_from_0_is_asked_within_a_back_off_begun_before_its_drop(
     process's batch is replayed at once, not left unindexed until it sends again. The engines
     are bare PUBs; their replay endpoint is the test's own ROUTER, which answers the first and
     third requests only."""
-    base = free_port_range(2)
-    source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"tcp://127.0.0.1:{base + 1}")
-    answers = {1: b"second 0", 3: b"third 0"}  # batch 0 of each, by request
-    requests = 0
-
-    def serve() -> None:
-        nonlocal requests
-        while router.poll(0):
-            request = parse_request(router.recv_multipart())
-            assert request is not None
-            identity, start = request
-            requests += 1
-            if requests in answers:
-                assert start == 0
-                frames = answer_frames(identity, b"", 0, answers[requests], topic_frame=True)
-                router.send_multipart(frames)
-                router.send_multipart(end_frames(identity, topic_frame=True))
-
-    def engine() -> Publisher:  # its replays are the test's ROUTER's
-        return Publisher(f"tcp://127.0.0.1:{base}", bind=True, context=ctx)
-
-    engines = [engine()]
-    with Subscriber([source], context=ctx, replay_timeout=1.0) as subscriber:
+    replays = ScriptedReplays(ctx, free_port_range(2), {1: b"second 0", 3: b"third 0"})
+    with Subscriber([replays.source], context=ctx, replay_timeout=1.0) as subscriber:
         stats = subscriber.stats
-        items: list[Message | StreamReset] = []
-
-        def step() -> None:
-            items.extend(subscriber.poll(20))
-            serve()
-
-        assert engines[0].wait_for_subscribers(timeout=TIMEOUT)
-        engines[0].publish(b"first 0")
-        wait_until(lambda: stats.messages == 1, step)
-        for drops in (1, 2):
-            engines[-1].close()
-            listener_gone(base)
-            wait_until(lambda n=drops: stats.disconnects == n, step)
-            engines.append(bound_again(engine))
-            assert engines[-1].wait_for_subscribers(timeout=TIMEOUT)
-            if drops == 1:  # checked: a new process; its replay from 0 (request 2) waits
-                wait_until(lambda: requests == 2, step)
+        items, step = replays.first_batch(subscriber)
+        replays.replace(stats, step)  # checked: a new process; its replay from 0 (request 2) waits
+        wait_until(lambda: replays.requests == 2, step)
+        replays.replace(stats, step)
         assert stats.replay_timeouts == 0  # the drop came first
         wait_until(lambda: stats.replayed == 1, step, lambda: (shape(items), stats), timeout=3.0)
-        engines[-1].close()
         final = deepcopy(stats)
-    router.close()
+    replays.close()
 
     assert shape(items) == [(0, False), ("restart", 0), (0, True)]
     assert [item.payload for item in items if isinstance(item, Message)] == [
