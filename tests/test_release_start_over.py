@@ -199,7 +199,7 @@ def test_a_drop_during_a_released_streams_replay_starts_it_over_within_the_back_
     bare PUBs; their replay endpoint is the test's own ROUTER, which answers every request but
     the fourth, the release's."""
     # batch 0 of the process there, by request: two checks, a replay from 0, the release's
-    answers = {1: b"second 0", 2: b"second 0", 3: b"third 0", 5: b"fourth 0"}
+    answers = {1: [b"second 0"], 2: [b"second 0"], 3: [b"third 0"], 5: [b"fourth 0"]}
     replays = ScriptedReplays(ctx, free_port_range(2), answers)
     source = replays.source
     with Subscriber(

@@ -1102,33 +1102,42 @@ def test_a_catch_up_from_0_is_asked_within_a_back_off_begun_before_its_drop(
     process is found by the catch-up's check, and the replay from 0 that follows its clear is
     never answered; the connection drops while that replay waits, and a third process, which
     holds a batch the stream never heard, stays quiet. Once the replay has timed out, the third
-    process's batch is replayed at once, not left unindexed until it sends again. The engines
-    are bare PUBs; their replay endpoint is the test's own ROUTER, which answers the first and
-    third requests only."""
-    replays = ScriptedReplays(ctx, free_port_range(2), {1: b"second 0", 3: b"third 0"})
-    with Subscriber([replays.source], context=ctx, replay_timeout=1.0) as subscriber:
+    process's batch is replayed at once, not left unindexed until it sends again. That answer
+    ends the back-off: the third process's gap right after is replayed, not lost. The engines
+    are bare PUBs; their replay endpoint is the test's own ROUTER, which answers every request
+    but the second."""
+    answers = {1: [b"second 0"], 3: [b"third 0"], 4: [b"third 1"]}
+    replays = ScriptedReplays(ctx, free_port_range(2), answers)
+    with Subscriber([replays.source], context=ctx, replay_timeout=2.0) as subscriber:
         stats = subscriber.stats
         items, step = replays.first_batch(subscriber)
         replays.replace(stats, step)  # checked: a new process; its replay from 0 (request 2) waits
         wait_until(lambda: replays.requests == 2, step)
-        replays.replace(stats, step)
+        third = replays.replace(stats, step)
         assert stats.replay_timeouts == 0  # the drop came first
-        wait_until(lambda: stats.replayed == 1, step, lambda: (shape(items), stats), timeout=3.0)
+        wait_until(lambda: stats.replayed == 1, step, lambda: (shape(items), stats), timeout=4.0)
+        for seq in range(3):  # batch 1 missed: a gap, 2 s at most after the timeout
+            third.publish(b"third %d" % seq, send=seq == 2)
+        source = replays.source
+        wait_until(lambda: subscriber.last_seq(source) == 2, step, lambda: (shape(items), stats))
         final = deepcopy(stats)
     replays.close()
 
-    assert shape(items) == [(0, False), ("restart", 0), (0, True)]
+    assert shape(items) == [(0, False), ("restart", 0), (0, True), (1, True), (2, False)]
     assert [item.payload for item in items if isinstance(item, Message)] == [
         b"first 0",
         b"third 0",
+        b"third 1",
+        b"third 2",
     ]
     assert final == SubscriberStats(
-        messages=1,
+        messages=2,
+        gaps=1,
         restarts=1,
         disconnects=2,
         reconnect_checks=1,
-        replays=3,
-        replayed=1,
+        replays=4,
+        replayed=2,
         replay_timeouts=1,
     )
 

@@ -196,7 +196,7 @@ class ReplayClient:
                 answer.took(None)
                 continue
             topic, seq_frame, payload = parsed
-            stream.replay_failures = 0  # it answers
+            stream.end_replay_back_off()  # it answers
             if seq_frame == END_SEQ or not payload:
                 answer.ended = True
                 return True

@@ -4,7 +4,7 @@ unanswered (and so times out), whatever the timing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
@@ -19,11 +19,14 @@ from support.rebind import bound_again, listener_gone
 
 class ScriptedReplays:
     """A replay ROUTER on ``base + 1`` and bare PUB engines on ``base``. Request ``n`` (counted
-    from 1, in the order they come) is answered with batch 0 ``answers[n]`` and the end marker,
-    or, if ``answers`` has no ``n``, never answered."""
+    from 1, in the order they come) is answered with the batches ``answers[n]``, numbered from
+    the seq it asks for, and the end marker; or, if ``answers`` has no ``n``, never answered."""
 
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], base: int, answers: Mapping[int, bytes]
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        base: int,
+        answers: Mapping[int, Sequence[bytes]],
     ) -> None:
         self.ctx, self.base, self.answers = ctx, base, answers
         self.source = Source(f"tcp://*:{base}", f"tcp://*:{base + 1}", 1)
@@ -73,13 +76,13 @@ class ScriptedReplays:
             assert request is not None
             identity, start = request
             self.requests += 1
-            payload = self.answers.get(self.requests)
-            if payload is not None:
-                assert start == 0
-                self.router.send_multipart(
-                    answer_frames(identity, b"", 0, payload, topic_frame=True)
-                )
-                self.router.send_multipart(end_frames(identity, topic_frame=True))
+            payloads = self.answers.get(self.requests)
+            if payloads is None:
+                continue
+            for seq, payload in enumerate(payloads, start=start):
+                frames = answer_frames(identity, b"", seq, payload, topic_frame=True)
+                self.router.send_multipart(frames)
+            self.router.send_multipart(end_frames(identity, topic_frame=True))
 
     def close(self) -> None:
         if self.engines:
