@@ -13,15 +13,13 @@ import zmq
 from support.polling import TIMEOUT, poll_until, receive, shape, wait_until
 from support.rebind import bound_again, engine_on, listener_gone
 from support.reference import overlaps
-from support.relayed import BS, deliver, relayed, restarted_in_place
+from support.relayed import deliver, relayed, restarted_in_place, six_prompts
 from support.scripted_replays import ScriptedReplays
 
 from kvbridge.adapters.ports import free_port_range
 from kvbridge.adapters.source import Message, Source
 from kvbridge.adapters.stream_stats import BadFrame, SubscriberStats
 from kvbridge.adapters.subscriber import Subscriber
-from kvbridge.testing.events import TS0, encoded, stored
-from kvbridge.testing.vllm_hashes import block_hashes
 
 
 def test_a_restart_after_a_released_streams_start_over_is_a_restart(
@@ -34,10 +32,7 @@ def test_a_restart_after_a_released_streams_start_over_is_a_restart(
     fifth's is indexed once its clear is allowed. (Taken for a copy, the fourth's block would
     stay, and the fifth's batch would be dropped uncounted.)"""
     interval = 3.0
-    prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
-    payloads = [
-        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
-    ]
+    prompts, payloads = six_prompts()
     with relayed(ctx, clear_interval=interval) as (publisher, source, relay, index, _):
         stats = relay.subscriber.stats
         deliver(relay, source, publisher.publish(payloads[0]))

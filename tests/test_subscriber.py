@@ -51,6 +51,7 @@ from support.relayed import (
     port_of,
     relayed,
     restarted_in_place,
+    six_prompts,
     spy,
     suspend_after_two_losses,
 )
@@ -1153,10 +1154,7 @@ def test_a_stream_suspended_then_quiet_is_cleared_once_a_clear_is_allowed(
     their blocks indexed. Its next message follows them. (The interval is long enough for the
     four restarts to land before a token is back, even on a slow machine.)"""
     interval = 3.0
-    prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
-    payloads = [
-        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
-    ]
+    prompts, payloads = six_prompts()
     with relayed(ctx, clear_interval=interval) as (publisher, source, relay, index, seen):
         stats = relay.subscriber.stats
         deliver(relay, source, publisher.publish(payloads[0]))

@@ -19,6 +19,8 @@ from kvbridge.adapters.subscriber import (
     DEFAULT_REPLAY_TIMEOUT_S,
     Subscriber,
 )
+from kvbridge.testing.events import TS0, encoded, stored
+from kvbridge.testing.vllm_hashes import block_hashes
 from support.polling import TIMEOUT, poll_until, receive, wait_until
 
 BS = 4
@@ -149,3 +151,13 @@ def restarted_in_place(relay: Relay, engine: Publisher, payloads: list[bytes]) -
             lambda: relay.step(20),
             lambda: stats,
         )
+
+
+def six_prompts() -> tuple[list[list[int]], list[bytes]]:
+    """Six prompts of 12 tokens (three blocks each, none shared), and for each a payload that
+    stores its blocks, a second after the one before."""
+    prompts = [list(range(k * 100, k * 100 + 12)) for k in range(1, 7)]
+    payloads = [
+        encoded([stored(block_hashes(p, BS), p)], ts=TS0 + i) for i, p in enumerate(prompts)
+    ]
+    return prompts, payloads

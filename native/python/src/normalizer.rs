@@ -2,9 +2,9 @@
 //!
 //! The state sits behind a mutex of its own rather than PyO3's borrow flag: a payload is
 //! normalized with the GIL released when it is large or clears a rank, and a reader on
-//! another thread (a metrics scrape) then waits for the state instead of failing to borrow it. The Python face
-//! needs no lock of its own, which with its `try`/`finally` cost about as much as the call
-//! itself on the small payloads of a busy engine.
+//! another thread (a metrics scrape) then waits for the state instead of failing to borrow
+//! it. The Python face needs no lock of its own, which with its `try`/`finally` cost about as
+//! much as the call itself on the small payloads of a busy engine.
 
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
